@@ -1,0 +1,53 @@
+"""Backends behind one protocol (`base.Backend`), chosen by what the model path holds:
+a `.gguf` file runs on llama.cpp, a folder with `config.json` and safetensors on MLX."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from localrun.errors import ModelNotFoundError, UnsupportedFormatError
+
+from .base import Backend, BatchEntry, ModelInfo
+
+__all__ = ["Backend", "BatchEntry", "ModelInfo", "detect_format", "open_backend"]
+
+
+def detect_format(path: str | Path) -> str:
+    """Return "gguf" or "mlx" for a model path, or raise a one-line error saying what was found."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(f"no model at {p}: give a .gguf file or an MLX model folder")
+    if p.is_file():
+        from localrun.gguf_check import is_gguf
+
+        if is_gguf(p):
+            return "gguf"
+        raise UnsupportedFormatError(
+            f"{p} is not a GGUF file (no GGUF magic bytes); localrun runs .gguf files and MLX model folders"
+        )
+    has_config = (p / "config.json").is_file()
+    weights = list(p.glob("*.safetensors"))
+    ggufs = sorted(p.glob("*.gguf"))
+    if has_config and weights:
+        return "mlx"
+    found = ", ".join(sorted(x.name for x in p.iterdir())[:6]) or "nothing"
+    if ggufs:
+        raise UnsupportedFormatError(f"{p} is a folder of GGUF files; pass one of them, e.g. {ggufs[0]}")
+    missing = "config.json" if not has_config else "*.safetensors weights"
+    raise UnsupportedFormatError(f"{p} is not an MLX model folder (missing {missing}; found: {found})")
+
+
+def open_backend(path: str | Path, **kwargs) -> Backend:
+    """Load a model on the backend its format needs. kwargs: n_ctx, n_seq, n_batch, threads."""
+    fmt = detect_format(path)
+    p = Path(path).expanduser()
+    if fmt == "gguf":
+        from localrun.gguf_check import check_gguf
+
+        check_gguf(p)  # a malformed file never reaches llama.cpp's parser
+        from .llamacpp import LlamaCppBackend
+
+        return LlamaCppBackend(p, **kwargs)
+    from .mlx import MLXBackend
+
+    return MLXBackend(p, **kwargs)

@@ -1,0 +1,112 @@
+"""The backend seam.
+
+A backend runs the network and holds KV state for a few numbered sequences. It knows
+nothing of sampling, grammars, speculation, chat templates or HTTP: the engine does all
+of that once, on the logits rows a backend returns.
+
+One `decode` call takes several sequences at once. Each `BatchEntry` gives a sequence
+id, the tokens to append to that sequence's KV cache starting at position `pos`, and
+how many of the final rows it wants logits for (1 for a normal step; k+1 to verify k
+draft tokens; 0 for a prefill chunk that is not the last). The returned arrays are
+views into the backend's own buffers, valid until the next `decode`; copy what you keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    backend: str  # "llama.cpp" | "mlx"
+    architecture: str
+    n_vocab: int
+    n_ctx_train: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    sliding_window: int | None
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    add_bos: bool
+    # every id that ends a turn: eos, eot, and the template's end-of-turn markers
+    stop_ids: frozenset[int]
+    chat_template: str | None
+    bos_text: str
+    eos_text: str
+    quant: str  # "Q4_1", "F16", "4bit", ...
+    fim_prefix_id: int | None = None
+    fim_suffix_id: int | None = None
+    fim_middle_id: int | None = None
+    n_params: int = 0
+    size_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class BatchEntry:
+    seq: int
+    tokens: Sequence[int]
+    pos: int
+    n_logits: int = 1  # how many trailing rows need logits (0..len(tokens))
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    info: ModelInfo
+    n_ctx: int  # context size of each sequence
+    n_seq: int  # how many sequences may be live at once
+    n_batch: int  # most tokens one decode call may carry in total
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes a token stands for; empty for control tokens."""
+        ...
+
+    def is_control(self, token: int) -> bool: ...
+
+    def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+        """Run one forward pass over every entry; one [n_logits, n_vocab] float32 array each."""
+        ...
+
+    def kv_trim(self, seq: int, n_keep: int) -> None:
+        """Drop every cached position >= n_keep of `seq`."""
+        ...
+
+    def kv_copy(self, src: int, dst: int, n: int) -> None:
+        """Make dst's cache hold src's first n positions (dst's old content is dropped)."""
+        ...
+
+    def kv_clear(self, seq: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_batch(batch: Sequence[BatchEntry], n_seq: int, n_ctx: int, n_batch: int) -> int:
+    """Validate a batch against a backend's limits; returns the total token count."""
+    total = 0
+    seen = set()
+    for e in batch:
+        if not 0 <= e.seq < n_seq:
+            raise ValueError(f"sequence id {e.seq} outside 0..{n_seq - 1}")
+        if e.seq in seen:
+            raise ValueError(f"sequence {e.seq} appears twice in one batch")
+        seen.add(e.seq)
+        if not e.tokens:
+            raise ValueError(f"sequence {e.seq}: empty token list")
+        if not 0 <= e.n_logits <= len(e.tokens):
+            raise ValueError(f"sequence {e.seq}: n_logits {e.n_logits} not in 0..{len(e.tokens)}")
+        if e.pos < 0 or e.pos + len(e.tokens) > n_ctx:
+            raise ValueError(f"sequence {e.seq}: positions {e.pos}..{e.pos + len(e.tokens)} exceed n_ctx {n_ctx}")
+        total += len(e.tokens)
+    if total > n_batch:
+        raise ValueError(f"batch of {total} tokens exceeds n_batch {n_batch}")
+    return total

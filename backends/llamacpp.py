@@ -1,0 +1,283 @@
+"""GGUF models on llama.cpp, through llama-cpp-python's low-level (ctypes) API.
+
+Not the high-level `Llama` class: it owns its own sampling and a single sequence. Here
+one `llama_batch`, allocated once, carries tokens of several sequences per
+`llama_decode`; logits are read through the context's output buffer as numpy views (no
+per-token copy of the vocabulary); the KV cache is edited per sequence through the
+memory API. Every sequence may use up to `n_ctx`
+positions in a KV stream of its own (`kv_unified = False`): with this llama.cpp, a
+unified cache plus flash attention gave wrong logits to the second of two sequences
+decoded in one batch (tests/test_backend_contract.py::test_two_sequences_in_one_decode
+and test_generation.py::test_two_generations_stepped_together_match_solo catch it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from localrun.errors import BackendUnavailableError, ModelLoadError
+from localrun.quant.catalog import file_type_name
+
+from .base import BatchEntry, ModelInfo, check_batch
+
+try:
+    import llama_cpp as _lc
+except ImportError as exc:  # pragma: no cover - depends on the install
+    _lc = None
+    _IMPORT_ERROR = exc
+
+_LOG_CALLBACK = None  # keep the ctypes callback alive for the process lifetime
+_BACKEND_READY = False
+
+
+def _init_llama() -> None:
+    """Initialise llama.cpp once and keep its log quiet unless LOCALRUN_LLAMA_LOG is set."""
+    global _LOG_CALLBACK, _BACKEND_READY
+    if _BACKEND_READY:
+        return
+    if _lc is None:
+        raise BackendUnavailableError(
+            f"llama-cpp-python is not installed ({_IMPORT_ERROR}); run: pip install llama-cpp-python"
+        )
+    verbose = bool(os.environ.get("LOCALRUN_LLAMA_LOG"))
+
+    @_lc.llama_log_callback
+    def _log(level, text, user_data):  # noqa: ARG001 - ctypes signature
+        if verbose:
+            os.write(2, text)
+
+    _LOG_CALLBACK = _log
+    _lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    _lc.llama_backend_init()
+    _BACKEND_READY = True
+
+
+def default_threads() -> int:
+    try:
+        import psutil
+
+        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+    except Exception:  # psutil missing or unable to read the topology
+        return max(1, os.cpu_count() or 1)
+
+
+class LlamaCppBackend:
+    name = "llama.cpp"
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        n_ctx: int | None = None,
+        n_seq: int = 1,
+        n_batch: int = 512,
+        threads: int | None = None,
+        n_gpu_layers: int = -1,
+    ) -> None:
+        _init_llama()
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        path = str(path)
+        mparams = _lc.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers  # -1: all layers on the GPU where one exists
+        model = _lc.llama_model_load_from_file(path.encode(), mparams)
+        if not model:
+            raise ModelLoadError(f"llama.cpp could not load {path}; set LOCALRUN_LLAMA_LOG=1 to see why")
+        self._model = model
+        self._vocab = _lc.llama_model_get_vocab(model)
+        self.n_vocab = _lc.llama_vocab_n_tokens(self._vocab)
+        n_ctx_train = _lc.llama_model_n_ctx_train(model)
+        self.n_ctx = int(n_ctx or min(4096, n_ctx_train))
+        self.n_seq = int(n_seq)
+        self.n_batch = int(min(n_batch, self.n_ctx * self.n_seq))
+        threads = int(threads or default_threads())
+
+        cparams = _lc.llama_context_default_params()
+        cparams.n_ctx = self.n_ctx * self.n_seq
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = self.n_seq
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = False  # see the module docstring
+        cparams.no_perf = True
+        ctx = _lc.llama_init_from_model(model, cparams)
+        if not ctx:
+            self.close()
+            raise ModelLoadError(
+                f"llama.cpp could not create a context of {self.n_ctx * self.n_seq} tokens for {path};"
+                " try a smaller --ctx"
+            )
+        self._ctx = ctx
+        self._mem = _lc.llama_get_memory(ctx)
+        self.threads = threads
+        # One batch for the life of the context; each token belongs to one sequence.
+        self._batch = _lc.llama_batch_init(self.n_batch, 0, 1)
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self._pieces: dict[int, bytes] = {}
+        self.info = self._read_info(path, n_ctx_train)
+
+    # -- model facts -------------------------------------------------------------
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = _lc.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        return buf.value.decode("utf-8", errors="replace")
+
+    def _token_or_none(self, tok: int) -> int | None:
+        return int(tok) if 0 <= tok < self.n_vocab else None
+
+    def _read_info(self, path: str, n_ctx_train: int) -> ModelInfo:
+        lc, m, v = _lc, self._model, self._vocab
+        arch = self._meta("general.architecture") or "unknown"
+        n_head = lc.llama_model_n_head(m)
+        n_embd = lc.llama_model_n_embd(m)
+        head_dim = self._meta(f"{arch}.attention.key_length")
+        head_dim = int(head_dim) if head_dim else n_embd // max(1, n_head)
+        ft = self._meta("general.file_type")
+        bos = self._token_or_none(lc.llama_vocab_bos(v))
+        eos = self._token_or_none(lc.llama_vocab_eos(v))
+        eot = self._token_or_none(lc.llama_vocab_eot(v))
+        template = lc.llama_model_chat_template(m, None)
+        swa = lc.llama_model_n_swa(m)
+        return ModelInfo(
+            path=path,
+            backend=self.name,
+            architecture=arch,
+            n_vocab=self.n_vocab,
+            n_ctx_train=n_ctx_train,
+            n_layer=lc.llama_model_n_layer(m),
+            n_head=n_head,
+            n_head_kv=lc.llama_model_n_head_kv(m),
+            head_dim=head_dim,
+            sliding_window=int(swa) if swa else None,
+            bos_id=bos,
+            eos_id=eos,
+            eot_id=eot,
+            add_bos=bool(lc.llama_vocab_get_add_bos(v)),
+            stop_ids=frozenset(self._eog_ids()),
+            chat_template=template.decode("utf-8", errors="replace") if template else None,
+            bos_text=self._special_text(bos),
+            eos_text=self._special_text(eos),
+            quant=file_type_name(int(ft) if ft and ft.isdigit() else None),
+            fim_prefix_id=self._token_or_none(lc.llama_vocab_fim_pre(v)),
+            fim_suffix_id=self._token_or_none(lc.llama_vocab_fim_suf(v)),
+            fim_middle_id=self._token_or_none(lc.llama_vocab_fim_mid(v)),
+            n_params=int(lc.llama_model_n_params(m)),
+            size_bytes=Path(path).stat().st_size,
+        )
+
+    def _eog_ids(self) -> list[int]:
+        # llama.cpp marks end-of-generation tokens (eos, eot, <|im_end|>, <end_of_turn>, ...)
+        # while loading the vocab; they are all control tokens, so only those are asked.
+        is_eog, is_ctl, v = _lc.llama_vocab_is_eog, _lc.llama_vocab_is_control, self._vocab
+        return [t for t in range(self.n_vocab) if is_ctl(v, t) and is_eog(v, t)] or [
+            t for t in (_lc.llama_vocab_eos(v), _lc.llama_vocab_eot(v)) if 0 <= t < self.n_vocab
+        ]
+
+    def _special_text(self, tok: int | None) -> str:
+        if tok is None:
+            return ""
+        text = _lc.llama_vocab_get_text(self._vocab, tok)
+        return text.decode("utf-8", errors="replace") if text else ""
+
+    # -- tokens ------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (_lc.llama_token * cap)()
+        n = _lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:  # the buffer was too small: -n is the size needed
+            cap = -n
+            buf = (_lc.llama_token * cap)()
+            n = _lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = self._piece_buf
+            n = _lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = _lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def is_control(self, token: int) -> bool:
+        return bool(_lc.llama_vocab_is_control(self._vocab, token))
+
+    # -- forward pass ------------------------------------------------------------
+
+    def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+        check_batch(batch, self.n_seq, self.n_ctx, self.n_batch)
+        b = self._batch
+        tok, pos, nsq, sid, lgt = b.token, b.pos, b.n_seq_id, b.seq_id, b.logits
+        i = 0
+        for e in batch:
+            first_out = len(e.tokens) - e.n_logits
+            for j, t in enumerate(e.tokens):
+                tok[i] = t
+                pos[i] = e.pos + j
+                nsq[i] = 1
+                sid[i][0] = e.seq
+                lgt[i] = j >= first_out
+                i += 1
+        b.n_tokens = i
+        rc = _lc.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise ModelLoadError(f"llama_decode failed with code {rc} (batch of {i} tokens)")
+        n_out = sum(e.n_logits for e in batch)
+        out: list[np.ndarray] = []
+        if n_out == 0:
+            return [np.empty((0, self.n_vocab), np.float32) for _ in batch]
+        # Rows with logits sit contiguously in batch order in the context's output buffer.
+        ptr = _lc.llama_get_logits(self._ctx)
+        rows = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+        r = 0
+        for e in batch:
+            out.append(rows[r : r + e.n_logits])
+            r += e.n_logits
+        return out
+
+    # -- KV cache ----------------------------------------------------------------
+
+    def kv_trim(self, seq: int, n_keep: int) -> None:
+        if not _lc.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
+            raise ModelLoadError(f"llama.cpp could not trim sequence {seq} to {n_keep} tokens")
+
+    def kv_copy(self, src: int, dst: int, n: int) -> None:
+        # Between separate KV streams llama.cpp copies whole sequences only (a partial
+        # range aborts the process), so copy everything and trim the copy.
+        _lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        _lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self.kv_trim(dst, n)
+
+    def kv_clear(self, seq: int) -> None:
+        _lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            _lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            _lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            _lc.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:  # a forgotten close must not leak the model
+        try:
+            self.close()
+        except Exception:
+            pass

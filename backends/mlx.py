@@ -1,0 +1,218 @@
+"""MLX models (a folder with config.json + safetensors) on Apple's MLX, via mlx-lm.
+
+mlx-lm's loader builds the model module and its Hugging Face tokenizer; each sequence
+owns one list of mlx-lm's per-layer caches, which are trimmable, so speculative
+rejection and prefix reuse work as on llama.cpp. On Linux MLX runs on the CPU
+(`mlx[cpu]`): a correctness path; on Apple Silicon the same code runs on Metal.
+
+Sequences are run one after another inside `decode`: the seam allows a batched MLX step
+later without changing the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from localrun.errors import BackendUnavailableError, ModelLoadError
+
+from .base import BatchEntry, ModelInfo, check_batch
+
+
+def _import_mlx():
+    try:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.utils import load
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"MLX is not usable here ({exc}); install it with: pip install 'mlx[cpu]' mlx-lm"
+            " (plain 'mlx' on Apple Silicon)"
+        ) from exc
+    return mx, make_prompt_cache, load
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet (each byte shown as a printable char)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _uses_byte_level(decoder: dict | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_uses_byte_level(d) for d in decoder.get("decoders", []) or [])
+
+
+def _piece_table(hf, n_vocab: int, special: set[int]) -> list[bytes]:
+    """Raw bytes of every token, so the engine's UTF-8 stream works as on llama.cpp."""
+    tokens = hf.convert_ids_to_tokens(list(range(n_vocab)))
+    decoder = json.loads(hf.backend_tokenizer.to_str()).get("decoder")
+    table: list[bytes] = []
+    if _uses_byte_level(decoder):
+        inv = _byte_decoder()
+        for i, t in enumerate(tokens):
+            if t is None or i in special:
+                table.append(b"")
+            else:
+                table.append(bytes(inv[c] for c in t if c in inv) if all(c in inv for c in t) else t.encode())
+        return table
+    for i, t in enumerate(tokens):  # sentencepiece style: "▁" for space, <0xNN> byte tokens
+        if t is None or i in special:
+            table.append(b"")
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            table.append(bytes([int(t[3:5], 16)]))
+        else:
+            table.append(t.replace("\u2581", " ").encode())
+    return table
+
+
+class MLXBackend:
+    name = "mlx"
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_batch: int = 512, **_ignored) -> None:
+        mx, make_prompt_cache, load = _import_mlx()
+        self._mx = mx
+        path = Path(path)
+        try:
+            self._model, wrapper = load(str(path))
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from exc
+        self._hf = wrapper._tokenizer
+        config = json.loads((path / "config.json").read_text())
+        self._config = config
+        n_ctx_train = int(config.get("max_position_embeddings") or 4096)
+        self.n_ctx = int(n_ctx or min(4096, n_ctx_train))
+        self.n_seq = int(n_seq)
+        self.n_batch = int(n_batch)
+        self._make_cache = lambda: make_prompt_cache(self._model)
+        self._caches = [self._make_cache() for _ in range(self.n_seq)]
+        self._offsets = [0] * self.n_seq
+        hf = self._hf
+        self.n_vocab = int(config.get("vocab_size") or len(hf))
+        self._special = set(hf.all_special_ids)
+        for tid, tok in hf.added_tokens_decoder.items():
+            if getattr(tok, "special", False):
+                self._special.add(int(tid))
+        self._pieces = _piece_table(hf, self.n_vocab, self._special)
+        stop = set(wrapper.eos_token_ids or [])
+        self.info = self._read_info(path, config, n_ctx_train, stop)
+
+    def _read_info(self, path: Path, cfg: dict, n_ctx_train: int, stop: set[int]) -> ModelInfo:
+        hf = self._hf
+        text_cfg = cfg.get("text_config", cfg)
+        n_head = int(text_cfg.get("num_attention_heads", 0))
+        hidden = int(text_cfg.get("hidden_size", 0))
+        q = cfg.get("quantization")
+        if isinstance(q, dict) and "bits" in q:
+            quant = f"{q['bits']}bit"
+        else:
+            dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+            quant = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}.get(dtype, dtype)
+        tok_cfg_path = path / "tokenizer_config.json"
+        tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+        add_bos = bool(tok_cfg.get("add_bos_token", False))
+        size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        return ModelInfo(
+            path=str(path),
+            backend=self.name,
+            architecture=str(cfg.get("model_type", "unknown")),
+            n_vocab=self.n_vocab,
+            n_ctx_train=n_ctx_train,
+            n_layer=int(text_cfg.get("num_hidden_layers", 0)),
+            n_head=n_head,
+            n_head_kv=int(text_cfg.get("num_key_value_heads", n_head)),
+            head_dim=int(text_cfg.get("head_dim") or (hidden // max(1, n_head))),
+            sliding_window=text_cfg.get("sliding_window"),
+            bos_id=hf.bos_token_id,
+            eos_id=hf.eos_token_id,
+            eot_id=None,
+            add_bos=add_bos,
+            stop_ids=frozenset(stop),
+            chat_template=getattr(hf, "chat_template", None),
+            bos_text=hf.bos_token or "",
+            eos_text=hf.eos_token or "",
+            quant=quant,
+            size_bytes=size,
+        )
+
+    # -- tokens ------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        # Hugging Face tokenizers always parse added special tokens; parse_special=False
+        # is honoured by llama.cpp only.
+        ids = self._hf.encode(text, add_special_tokens=False)
+        if add_special and self.info.add_bos and self.info.bos_id is not None:
+            ids = [self.info.bos_id] + ids
+        return list(ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._pieces[token] if 0 <= token < len(self._pieces) else b""
+
+    def is_control(self, token: int) -> bool:
+        return token in self._special
+
+    # -- forward pass ------------------------------------------------------------
+
+    def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+        check_batch(batch, self.n_seq, self.n_ctx, self.n_batch)
+        mx = self._mx
+        out = []
+        for e in batch:
+            if e.pos != self._offsets[e.seq]:
+                if e.pos > self._offsets[e.seq]:
+                    raise ValueError(f"sequence {e.seq}: position {e.pos} leaves a gap after {self._offsets[e.seq]}")
+                self.kv_trim(e.seq, e.pos)
+            logits = self._model(mx.array([list(e.tokens)]), cache=self._caches[e.seq])
+            self._offsets[e.seq] = e.pos + len(e.tokens)
+            if e.n_logits:
+                rows = logits[0, -e.n_logits :, :].astype(mx.float32)
+                out.append(np.array(rows, copy=False))
+            else:
+                mx.eval([c.state for c in self._caches[e.seq]])
+                out.append(np.empty((0, self.n_vocab), np.float32))
+        return out
+
+    # -- KV cache ----------------------------------------------------------------
+
+    def kv_trim(self, seq: int, n_keep: int) -> None:
+        drop = self._offsets[seq] - n_keep
+        if drop <= 0:
+            return
+        for c in self._caches[seq]:
+            if not c.is_trimmable():
+                raise ModelLoadError("this MLX model's cache cannot be trimmed")
+            c.trim(drop)
+        self._offsets[seq] = n_keep
+
+    def kv_copy(self, src: int, dst: int, n: int) -> None:
+        n = min(n, self._offsets[src])
+        fresh = self._make_cache()
+        for s, d in zip(self._caches[src], fresh):
+            keys, values, _ = s.state
+            if keys is not None and n:
+                # slicing makes new arrays: writes into dst never reach src
+                d.state = (keys[..., :n, :], values[..., :n, :], n)
+        self._caches[dst] = fresh
+        self._offsets[dst] = n
+
+    def kv_clear(self, seq: int) -> None:
+        self._caches[seq] = self._make_cache()
+        self._offsets[seq] = 0
+
+    def close(self) -> None:
+        self._caches = []
+        self._model = None

@@ -1,0 +1,3 @@
+"""localrun: a local desktop inference runtime."""
+
+__version__ = "0.1.0"

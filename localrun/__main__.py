@@ -1,0 +1,3 @@
+from localrun.cli import main
+
+raise SystemExit(main())

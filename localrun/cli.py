@@ -1,0 +1,145 @@
+"""`localrun` command line. Subcommands import their heavy modules only when run, so
+`localrun --help` answers at once. A LocalrunError becomes one line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import LocalrunError
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="fixed seed for reproducible sampling")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a .gguf file or an MLX model folder")
+    p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: min(4096, trained))")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: to the end of the context)")
+    p.add_argument("--verbose", action="store_true", help="print timings to stderr")
+
+
+def sampling_from_args(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+
+
+def print_timings(timings, out=sys.stderr) -> None:
+    """The lines `ollama run --verbose` users know."""
+    print(f"prompt eval count:    {timings.prompt_tokens} token(s)", file=out)
+    print(f"prompt eval rate:     {timings.prefill_tps:.2f} tokens/s", file=out)
+    print(f"eval count:           {timings.generated_tokens} token(s)", file=out)
+    print(f"eval rate:            {timings.decode_tps:.2f} tokens/s", file=out)
+    print(f"time to first token:  {timings.ttft_ms:.2f} ms", file=out)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise LocalrunError("no prompt: pass one as an argument or on stdin")
+    sampling = sampling_from_args(args)
+    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads) as engine:
+        if args.raw:
+            tokens = engine.tokenize(prompt)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            tokens = engine.chat_prompt(messages)
+        last = None
+        for ev in engine.generate(tokens, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            last = ev
+        sys.stdout.write("\n")
+        if args.verbose and last is not None and last.timings is not None:
+            print_timings(last.timings)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from localrun.tui.repl import run_repl
+
+    return run_repl(args)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    if args.to != "mlx":
+        raise LocalrunError(f"--to {args.to} is not supported yet; supported: mlx")
+    from localrun.quant.gguf_to_mlx import convert_gguf_to_mlx
+
+    out = convert_gguf_to_mlx(args.src, args.output, progress=lambda msg: print(msg, file=sys.stderr))
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="localrun", description="Run language models on your own machine.")
+    parser.add_argument("--version", action="version", version=f"localrun {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="answer one prompt, streamed to stdout")
+    _add_model(run)
+    run.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin when omitted)")
+    run.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    run.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+    _add_sampling(run)
+    run.set_defaults(func=cmd_run)
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal")
+    _add_model(chat)
+    _add_sampling(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    conv = sub.add_parser("convert", help="convert a model to another format")
+    conv.add_argument("src", help="source model (a .gguf file)")
+    conv.add_argument("--to", required=True, help="target format: mlx")
+    conv.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
+    conv.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except LocalrunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `localrun run ... | head` closed the pipe: not an error
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

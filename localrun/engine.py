@@ -1,0 +1,271 @@
+"""The engine: prompts in, streamed text out, the same for every backend.
+
+One `Generation` is one sequence: its slot in the backend, its token history, its
+sampler, its text stream. `Engine.step(gens)` advances several generations with ONE
+backend decode: generations that are decoding contribute their one new token (first,
+so a long prefill never starves them), generations still reading their prompt
+contribute a chunk of it, within the backend's `n_batch`. `generate()` is the
+single-sequence loop over `step`; a server schedules many generations over the same
+call. A step may also carry draft tokens for verification (the backend returns every
+row asked for), which is how speculation plugs in without a second engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from localrun.backends import open_backend
+from localrun.backends.base import Backend, BatchEntry, ModelInfo
+
+from . import chat_template
+from .errors import BadRequestError, ContextExceededError
+from .sampling import Sampler, SamplingParams
+from .textstream import StopMatcher, Utf8Stream
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_tokens: int = 0  # tokens produced after the first one
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+    generated_tokens: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / (self.prefill_ms / 1000) if self.prefill_ms > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+
+
+@dataclass
+class Event:
+    """A piece of streamed output; the last one has finish_reason and timings."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+    timings: Timings | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    timings: Timings
+
+
+@dataclass
+class Generation:
+    seq: int
+    prompt: list[int]
+    sampler: Sampler
+    max_tokens: int
+    stops: StopMatcher
+    stop_ids: frozenset[int]
+    history: list[int] = field(default_factory=list)  # prompt + generated, in order
+    n_cached: int = 0  # how many of history's tokens the backend's KV holds
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    timings: Timings = field(default_factory=Timings)
+    _utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    _t_start: float = 0.0
+    _t_first: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def pending(self) -> list[int]:
+        return self.history[self.n_cached :]
+
+
+class Engine:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.info: ModelInfo = backend.info
+        self.n_ctx = backend.n_ctx
+        self._free = list(range(backend.n_seq))
+        self.chat_template = self.info.chat_template or chat_template.fallback_template(
+            lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
+        )
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        n_ctx: int | None = None,
+        n_seq: int = 1,
+        threads: int | None = None,
+        n_batch: int = 512,
+    ) -> "Engine":
+        if n_ctx is not None and n_ctx < 16:
+            raise BadRequestError(f"--ctx must be at least 16 tokens, got {n_ctx}")
+        return cls(open_backend(path, n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch))
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- text <-> tokens ---------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.backend.tokenize(text, add_special=add_special, parse_special=True)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        info = self.info
+        text = chat_template.render(
+            self.chat_template, messages, info.bos_text, info.eos_text, add_generation_prompt
+        )
+        # Templates that write the BOS themselves must not get a second one.
+        has_bos = bool(info.bos_text) and text.startswith(info.bos_text)
+        return self.tokenize(text, add_special=not has_bos)
+
+    # -- generation --------------------------------------------------------------
+
+    def start(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        stop: list[str] | None = None,
+        ignore_eos: bool = False,
+    ) -> Generation:
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not tokens:
+            raise BadRequestError("the prompt is empty")
+        if len(tokens) >= self.n_ctx:
+            raise ContextExceededError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx};"
+                " shorten the prompt or raise --ctx"
+            )
+        bad = [t for t in tokens if not 0 <= t < self.info.n_vocab]
+        if bad:
+            raise BadRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.info.n_vocab - 1})")
+        if max_tokens is not None and max_tokens < 0:
+            raise BadRequestError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not self._free:
+            raise RuntimeError("every sequence slot is busy")
+        room = self.n_ctx - len(tokens)
+        seq = self._free.pop(0)
+        self.backend.kv_clear(seq)
+        gen = Generation(
+            seq=seq,
+            prompt=tokens,
+            sampler=Sampler(sampling or SamplingParams()),
+            max_tokens=room if max_tokens is None else min(max_tokens, room),
+            stops=StopMatcher(stop),
+            stop_ids=frozenset() if ignore_eos else self.info.stop_ids,
+            history=list(tokens),
+        )
+        gen.timings.prompt_tokens = len(tokens)
+        gen._t_start = time.perf_counter()
+        if gen.max_tokens == 0:
+            self._finish(gen, "length")
+        return gen
+
+    def release(self, gen: Generation) -> None:
+        """Give the generation's slot back (its KV stays until the slot is reused)."""
+        if gen.seq not in self._free:
+            self._free.append(gen.seq)
+        if not gen.done:
+            gen.finish_reason = "cancelled"
+
+    def step(self, gens: Sequence[Generation]) -> dict[int, Event]:
+        """One backend decode across every unfinished generation; events keyed by seq."""
+        live = [g for g in gens if not g.done]
+        # decoding sequences first: their single token must not wait behind a prefill
+        live.sort(key=lambda g: len(g.pending) > 1)
+        budget = self.backend.n_batch
+        batch: list[BatchEntry] = []
+        owners: list[Generation] = []
+        for g in live:
+            pend = g.pending
+            if budget <= 0:
+                break
+            chunk = pend[:budget]
+            batch.append(BatchEntry(g.seq, chunk, g.n_cached, 1 if len(chunk) == len(pend) else 0))
+            owners.append(g)
+            budget -= len(chunk)
+        if not batch:
+            return {}
+        rows = self.backend.decode(batch)
+        events: dict[int, Event] = {}
+        now = time.perf_counter()
+        for g, e, r in zip(owners, batch, rows):
+            g.n_cached += len(e.tokens)
+            if e.n_logits:
+                events[g.seq] = self._accept(g, g.sampler.sample(r[-1], g.history), now)
+        return events
+
+    def _accept(self, g: Generation, token: int, now: float) -> Event:
+        t = g.timings
+        if not g.output:
+            g._t_first = now
+            t.ttft_ms = t.prefill_ms = (now - g._t_start) * 1000
+        else:
+            t.decode_tokens = len(g.output)
+            t.decode_ms = (now - g._t_first) * 1000
+        if token in g.stop_ids:  # the end-of-turn token itself is not output
+            return self._finish(g, "stop")
+        g.output.append(token)
+        g.history.append(token)
+        t.generated_tokens = len(g.output)
+        text, hit = g.stops.feed(g._utf8.feed(self.backend.token_bytes(token)))
+        if hit:
+            return self._finish(g, "stop", token, text, flush=False)
+        if len(g.output) >= g.max_tokens:
+            return self._finish(g, "length", token, text)
+        return Event(text, [token])
+
+    def _finish(self, g: Generation, reason: str, token: int | None = None, text: str = "", flush: bool = True) -> Event:
+        if flush:
+            tail, hit = g.stops.feed(g._utf8.flush())
+            text += tail + ("" if hit else g.stops.flush())
+        g.finish_reason = reason
+        self.release(g)
+        return Event(text, [token] if token is not None else [], reason, g.timings)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Event]:
+        """Stream one generation. kwargs: sampling, max_tokens, stop, ignore_eos."""
+        gen = self.start(prompt, **kwargs)
+        try:
+            if gen.done:
+                yield Event("", [], gen.finish_reason, gen.timings)
+                return
+            while not gen.done:
+                ev = self.step([gen]).get(gen.seq)
+                if ev is not None:
+                    yield ev
+        finally:
+            self.release(gen)
+
+    def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        parts: list[str] = []
+        tokens: list[int] = []
+        last = Event("", [], "length", Timings())
+        for ev in self.generate(prompt, **kwargs):
+            parts.append(ev.text)
+            tokens.extend(ev.tokens)
+            last = ev
+        return Completion("".join(parts), tokens, last.finish_reason or "length", last.timings or Timings())
+
+    def chat(self, messages: list[dict], **kwargs) -> Iterator[Event]:
+        return self.generate(self.chat_prompt(messages), **kwargs)
+

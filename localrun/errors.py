@@ -1,0 +1,51 @@
+"""User-facing errors.
+
+Every foreseeable mistake (a wrong path, a file we cannot read, a prompt too long for
+the context, a bad parameter) raises one of these. The CLI prints `error: <message>`
+on one line and exits with `exit_code`; the server (later) maps `http_status`.
+A message says what went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class LocalrunError(Exception):
+    """Base of every error a user may see; never a bug."""
+
+    exit_code = 1
+    http_status = 400
+
+
+class ModelNotFoundError(LocalrunError):
+    exit_code = 2
+    http_status = 404
+
+
+class UnsupportedFormatError(LocalrunError):
+    """The path exists but is not a model format a backend can load."""
+
+    exit_code = 2
+
+
+class MalformedModelError(UnsupportedFormatError):
+    """A model file that claims a format but breaks its rules (a corrupt GGUF)."""
+
+
+class BackendUnavailableError(LocalrunError):
+    """The runtime a model needs (llama-cpp-python, mlx) is not installed or failed."""
+
+    exit_code = 3
+    http_status = 500
+
+
+class ContextExceededError(LocalrunError):
+    """The prompt does not fit in the context window."""
+
+
+class BadRequestError(LocalrunError):
+    """An invalid parameter value; the message names the parameter."""
+
+
+class ModelLoadError(LocalrunError):
+    exit_code = 3
+    http_status = 500

@@ -1,0 +1,101 @@
+"""A scripted backend for engine logic that needs exact logits.
+
+Vocabulary: ids 0..255 are single bytes, 256 is EOS. `script(history) -> next token`
+decides the argmax; the row puts logit 10 there and 0 elsewhere (or uses `dist` to
+return a fixed distribution). It records every decode call so tests can assert what
+the engine asked of it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from localrun.backends.base import BatchEntry, ModelInfo, check_batch
+
+EOS = 256
+N_VOCAB = 257
+
+
+def make_info(**over) -> ModelInfo:
+    base = dict(
+        path="<fake>", backend="fake", architecture="fake", n_vocab=N_VOCAB, n_ctx_train=1024,
+        n_layer=1, n_head=1, n_head_kv=1, head_dim=8, sliding_window=None, bos_id=None,
+        eos_id=EOS, eot_id=None, add_bos=False, stop_ids=frozenset({EOS}), chat_template=None,
+        bos_text="", eos_text="", quant="F32",
+    )
+    base.update(over)
+    return ModelInfo(**base)
+
+
+class ScriptedBackend:
+    name = "fake"
+
+    def __init__(
+        self,
+        script: Callable[[list[int]], int] | None = None,
+        n_ctx: int = 64,
+        n_seq: int = 2,
+        n_batch: int = 16,
+        logits_fn: Callable[[list[int]], np.ndarray] | None = None,
+    ) -> None:
+        self.script = script or (lambda hist: EOS)
+        self.logits_fn = logits_fn
+        self.n_ctx, self.n_seq, self.n_batch = n_ctx, n_seq, n_batch
+        self.info = make_info()
+        self.kv: dict[int, list[int]] = {s: [] for s in range(n_seq)}
+        self.calls: list[list[BatchEntry]] = []
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes([token]) if token < 256 else b""
+
+    def is_control(self, token: int) -> bool:
+        return token >= 256
+
+    def _row(self, hist: list[int]) -> np.ndarray:
+        if self.logits_fn is not None:
+            return np.asarray(self.logits_fn(hist), dtype=np.float32)
+        row = np.zeros(N_VOCAB, np.float32)
+        row[self.script(hist)] = 10.0
+        return row
+
+    def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+        check_batch(batch, self.n_seq, self.n_ctx, self.n_batch)
+        self.calls.append(list(batch))
+        out = []
+        for e in batch:
+            kv = self.kv[e.seq]
+            assert e.pos == len(kv), f"seq {e.seq}: decode at {e.pos} but KV holds {len(kv)}"
+            kv.extend(e.tokens)
+            rows = [self._row(kv[: e.pos + i + 1]) for i in range(len(e.tokens) - e.n_logits, len(e.tokens))]
+            out.append(np.stack(rows) if rows else np.empty((0, N_VOCAB), np.float32))
+        return out
+
+    def kv_trim(self, seq: int, n_keep: int) -> None:
+        del self.kv[seq][n_keep:]
+
+    def kv_copy(self, src: int, dst: int, n: int) -> None:
+        self.kv[dst] = list(self.kv[src][:n])
+
+    def kv_clear(self, seq: int) -> None:
+        self.kv[seq] = []
+
+    def close(self) -> None:
+        pass
+
+
+def text_script(answer: bytes) -> Callable[[list[int]], int]:
+    """A script that, after any prompt, emits `answer` byte by byte, then EOS."""
+
+    state: dict[str, int] = {}
+
+    def script(hist: list[int]) -> int:
+        start = state.setdefault("start", len(hist))  # the first call sees the whole prompt
+        i = len(hist) - start
+        return answer[i] if i < len(answer) else EOS
+
+    return script

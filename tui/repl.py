@@ -1,0 +1,47 @@
+"""`localrun chat`: a plain line REPL until the Textual app replaces it.
+
+Each line you type is a user turn; the answer streams back; the conversation is kept
+and re-templated every turn. `/clear` starts over, `/exit` (or Ctrl-D) leaves.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
+    from localrun.cli import print_timings, sampling_from_args
+    from localrun.engine import Engine
+
+    sampling = sampling_from_args(args)
+    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads) as engine:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        history: list[dict] = []
+        interactive = stdin.isatty()
+        while True:
+            if interactive:
+                stdout.write(">>> ")
+                stdout.flush()
+            line = stdin.readline()
+            if not line:
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/bye"):
+                break
+            if text == "/clear":
+                history = []
+                continue
+            history.append({"role": "user", "content": text})
+            parts, last = [], None
+            for ev in engine.generate(engine.chat_prompt(system + history), sampling=sampling, max_tokens=args.max_tokens):
+                stdout.write(ev.text)
+                stdout.flush()
+                parts.append(ev.text)
+                last = ev
+            stdout.write("\n\n")
+            history.append({"role": "assistant", "content": "".join(parts)})
+            if args.verbose and last is not None and last.timings:
+                print_timings(last.timings)
+    return 0
