@@ -12,6 +12,7 @@ import sys
 def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     from localrun.cli import print_timings, sampling_from_args
     from localrun.engine import Engine
+    from localrun.errors import LocalrunError
 
     sampling = sampling_from_args(args)
     with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads) as engine:
@@ -35,11 +36,16 @@ def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
                 continue
             history.append({"role": "user", "content": text})
             parts, last = [], None
-            for ev in engine.generate(engine.chat_prompt(system + history), sampling=sampling, max_tokens=args.max_tokens):
-                stdout.write(ev.text)
-                stdout.flush()
-                parts.append(ev.text)
-                last = ev
+            try:
+                for ev in engine.generate(engine.chat_prompt(system + history), sampling=sampling, max_tokens=args.max_tokens):
+                    stdout.write(ev.text)
+                    stdout.flush()
+                    parts.append(ev.text)
+                    last = ev
+            except LocalrunError as exc:  # e.g. the conversation outgrew the context
+                history.pop()
+                print(f"error: {exc} (/clear starts over)", file=sys.stderr)
+                continue
             stdout.write("\n\n")
             history.append({"role": "assistant", "content": "".join(parts)})
             if args.verbose and last is not None and last.timings:

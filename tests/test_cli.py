@@ -1,0 +1,111 @@
+"""The `localrun` command as a user runs it: a real process, real models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def localrun(*args, stdin: str | None = None, timeout: int = 300):
+    return subprocess.run(
+        [sys.executable, "-m", "localrun", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def test_version_and_help():
+    from localrun import __version__
+
+    v = localrun("--version")
+    assert v.returncode == 0 and v.stdout.strip() == f"localrun {__version__}"
+    h = localrun("--help")
+    assert h.returncode == 0 and "run" in h.stdout and "chat" in h.stdout and "convert" in h.stdout
+    r = localrun("run", "--help")
+    for flag in ("--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--ctx", "--verbose"):
+        assert flag in r.stdout
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "mlx"])
+def test_run_answers_name_three_colors(fmt, request):
+    model = request.getfixturevalue("smollm2_gguf" if fmt == "gguf" else "smollm2_mlx")
+    p = localrun("run", model, "Name three colors.", "--temperature", "0", "--max-tokens", "24", "--verbose")
+    assert p.returncode == 0, p.stderr
+    assert sum(c in p.stdout.lower() for c in ("red", "blue", "green", "yellow")) >= 2, p.stdout
+    for line in ("prompt eval rate:", "eval rate:", "time to first token:"):
+        assert line in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_run_reads_the_prompt_from_stdin_and_honours_options(smollm2_gguf):
+    p = localrun(
+        "run", smollm2_gguf, "--system", "Answer in one word.", "--temperature", "0.7", "--seed", "3",
+        "--top-k", "20", "--top-p", "0.9", "--min-p", "0.1", "--max-tokens", "5", "--ctx", "256",
+        stdin="What color is the sky?",
+    )
+    assert p.returncode == 0, p.stderr
+    q = localrun(
+        "run", smollm2_gguf, "--system", "Answer in one word.", "--temperature", "0.7", "--seed", "3",
+        "--top-k", "20", "--top-p", "0.9", "--min-p", "0.1", "--max-tokens", "5", "--ctx", "256",
+        stdin="What color is the sky?",
+    )
+    assert p.stdout == q.stdout and p.stdout.strip()
+
+
+def test_missing_model_is_one_line(tmp_path):
+    err = one_line_error(localrun("run", tmp_path / "nope.gguf", "hi"))
+    assert "no model at" in err
+
+
+def test_not_a_model_is_one_line(tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("hello")
+    assert "not a GGUF file" in one_line_error(localrun("run", f, "hi"))
+    d = tmp_path / "folder"
+    d.mkdir()
+    (d / "readme.md").write_text("x")
+    assert "not an MLX model folder" in one_line_error(localrun("run", d, "hi"))
+
+
+def test_truncated_gguf_is_rejected_before_llama_cpp(tmp_path, smollm2_gguf):
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        bad.write_bytes(src.read(5000))
+    assert "malformed GGUF" in one_line_error(localrun("run", bad, "hi"))
+
+
+def test_prompt_over_the_context_is_one_line(smollm2_gguf):
+    err = one_line_error(localrun("run", smollm2_gguf, "word " * 400, "--ctx", "128"))
+    assert "context" in err
+
+
+def test_bad_sampling_value_is_one_line(smollm2_gguf):
+    assert "top_p" in one_line_error(localrun("run", smollm2_gguf, "hi", "--top-p", "1.5"))
+
+
+def test_chat_repl_keeps_the_conversation(smollm2_gguf):
+    p = localrun("chat", smollm2_gguf, "--temperature", "0", "--max-tokens", "12", "--verbose",
+                 stdin="My name is Ada.\nWhat is my name?\n/exit\nnever read\n")
+    assert p.returncode == 0, p.stderr
+    answers = [a for a in p.stdout.split("\n\n") if a.strip()]
+    assert len(answers) == 2
+    counts = [int(line.split()[3]) for line in p.stderr.splitlines() if line.startswith("prompt eval count")]
+    evals = [int(line.split()[2]) for line in p.stderr.splitlines() if line.startswith("eval count")]
+    # the second turn's prompt carries the first question and answer
+    assert counts[1] >= counts[0] + evals[0] + 5, p.stderr
+
+
+def test_convert_rejects_unknown_target(smollm2_gguf, tmp_path):
+    assert "--to gguf" in one_line_error(localrun("convert", smollm2_gguf, "--to", "gguf", "-o", tmp_path / "x"))

@@ -1,0 +1,34 @@
+"""A built wheel holds one top-level package, `localrun`, with backends/quant/tui inside."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_holds_only_the_localrun_package(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("localrun-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/", 1)[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"localrun"}
+    for must in (
+        "localrun/engine.py",
+        "localrun/backends/base.py",
+        "localrun/backends/llamacpp.py",
+        "localrun/backends/mlx.py",
+        "localrun/quant/gguf_to_mlx.py",
+        "localrun/tui/repl.py",
+    ):
+        assert must in names
+    assert not any(n.startswith(("tests/", "scripts/", "backends/", "quant/", "tui/")) for n in names)
+    entry = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "localrun = localrun.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
