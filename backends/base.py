@@ -73,6 +73,10 @@ class Backend(Protocol):
 
     def is_control(self, token: int) -> bool: ...
 
+    def token_text(self, token: int) -> str:
+        """The vocabulary's own spelling of a token (names special tokens for grammars)."""
+        ...
+
     def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
         """Run one forward pass over every entry; one [n_logits, n_vocab] float32 array each."""
         ...

@@ -216,6 +216,9 @@ class LlamaCppBackend:
     def is_control(self, token: int) -> bool:
         return bool(_lc.llama_vocab_is_control(self._vocab, token))
 
+    def token_text(self, token: int) -> str:
+        return self._special_text(token)
+
     # -- forward pass ------------------------------------------------------------
 
     def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:

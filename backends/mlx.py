@@ -165,6 +165,9 @@ class MLXBackend:
     def is_control(self, token: int) -> bool:
         return token in self._special
 
+    def token_text(self, token: int) -> str:
+        return self._hf.convert_ids_to_tokens(int(token)) or ""
+
     # -- forward pass ------------------------------------------------------------
 
     def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:

@@ -22,6 +22,37 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="fixed seed for reproducible sampling")
 
 
+def _add_constraints(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("constrained output (one of)").add_mutually_exclusive_group()
+    g.add_argument("--grammar", metavar="FILE", help="a GBNF grammar file (llama.cpp syntax)")
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema file the answer must validate against")
+    g.add_argument("--regex", metavar="PATTERN", help="a regular expression the whole answer must match")
+    g.add_argument("--json", action="store_true", help="any JSON object")
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise LocalrunError(f"cannot read the {what} file {path}: {exc.strerror}") from exc
+
+
+def grammar_from_args(args: argparse.Namespace):
+    """The Grammar the flags ask for, or None."""
+    if not (args.grammar or args.json_schema or args.regex or args.json):
+        return None
+    from .grammar import Grammar
+
+    if args.grammar:
+        return Grammar.from_gbnf(_read_text(args.grammar, "grammar"))
+    if args.json_schema:
+        return Grammar.from_json_schema(_read_text(args.json_schema, "JSON schema"))
+    if args.regex:
+        return Grammar.from_regex(args.regex)
+    return Grammar.json_object()
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a .gguf file or an MLX model folder")
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: min(4096, trained))")
@@ -29,6 +60,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: to the end of the context)")
     p.add_argument("--verbose", action="store_true", help="print timings to stderr")
+    p.add_argument("--no-lookup", dest="lookup", action="store_false", help="turn prompt-lookup speculative decoding off")
 
 
 def sampling_from_args(args: argparse.Namespace):
@@ -53,6 +85,9 @@ def print_timings(timings, out=sys.stderr) -> None:
     print(f"eval count:           {timings.generated_tokens} token(s)", file=out)
     print(f"eval rate:            {timings.decode_tps:.2f} tokens/s", file=out)
     print(f"time to first token:  {timings.ttft_ms:.2f} ms", file=out)
+    if timings.drafted:
+        print(f"draft acceptance:     {timings.accepted}/{timings.drafted} ({100 * timings.acceptance:.0f}%)", file=out)
+        print(f"tokens per step:      {timings.tokens_per_step:.2f}", file=out)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -62,6 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise LocalrunError("no prompt: pass one as an argument or on stdin")
     sampling = sampling_from_args(args)
+    grammar = grammar_from_args(args)  # a bad grammar fails before the model loads
     with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads) as engine:
         if args.raw:
             tokens = engine.tokenize(prompt)
@@ -71,7 +107,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             ]
             tokens = engine.chat_prompt(messages)
         last = None
-        for ev in engine.generate(tokens, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop):
+        stream = engine.generate(
+            tokens, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop, lookup=args.lookup, grammar=grammar
+        )
+        for ev in stream:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             last = ev
@@ -108,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     run.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     _add_sampling(run)
+    _add_constraints(run)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal")

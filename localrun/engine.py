@@ -22,7 +22,9 @@ from localrun.backends.base import Backend, BatchEntry, ModelInfo
 
 from . import chat_template
 from .errors import BadRequestError, ContextExceededError
+from .grammar import Grammar, GrammarMatcher, build_tokenizer
 from .sampling import Sampler, SamplingParams
+from .speculative import DraftController, LookupConfig, accept_or_resample, propose
 from .textstream import StopMatcher, Utf8Stream
 
 
@@ -34,6 +36,17 @@ class Timings:
     decode_ms: float = 0.0
     ttft_ms: float = 0.0
     generated_tokens: int = 0
+    steps: int = 0  # backend steps that produced tokens (prompt lookup makes it < tokens)
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -73,6 +86,8 @@ class Generation:
     history: list[int] = field(default_factory=list)  # prompt + generated, in order
     n_cached: int = 0  # how many of history's tokens the backend's KV holds
     output: list[int] = field(default_factory=list)
+    lookup: DraftController | None = None
+    matcher: GrammarMatcher | None = None
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     _utf8: Utf8Stream = field(default_factory=Utf8Stream)
@@ -146,6 +161,8 @@ class Engine:
         max_tokens: int | None = None,
         stop: list[str] | None = None,
         ignore_eos: bool = False,
+        lookup: bool | LookupConfig = True,
+        grammar: Grammar | None = None,
     ) -> Generation:
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
@@ -174,6 +191,11 @@ class Engine:
             stop_ids=frozenset() if ignore_eos else self.info.stop_ids,
             history=list(tokens),
         )
+        cfg = lookup if isinstance(lookup, LookupConfig) else LookupConfig(enabled=bool(lookup))
+        if cfg.enabled:
+            gen.lookup = DraftController(cfg)
+        if grammar is not None:
+            gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
         gen.timings.prompt_tokens = len(tokens)
         gen._t_start = time.perf_counter()
         if gen.max_tokens == 0:
@@ -194,25 +216,82 @@ class Engine:
         live.sort(key=lambda g: len(g.pending) > 1)
         budget = self.backend.n_batch
         batch: list[BatchEntry] = []
-        owners: list[Generation] = []
+        owners: list[tuple[Generation, list[int]]] = []
         for g in live:
-            pend = g.pending
             if budget <= 0:
                 break
-            chunk = pend[:budget]
-            batch.append(BatchEntry(g.seq, chunk, g.n_cached, 1 if len(chunk) == len(pend) else 0))
-            owners.append(g)
+            pend = g.pending
+            draft = self._draft(g, budget - 1) if len(pend) == 1 else []
+            chunk = pend[:budget] + draft
+            last = len(chunk) == len(pend) + len(draft)
+            batch.append(BatchEntry(g.seq, chunk, g.n_cached, 1 + len(draft) if last else 0))
+            owners.append((g, draft))
             budget -= len(chunk)
         if not batch:
             return {}
         rows = self.backend.decode(batch)
         events: dict[int, Event] = {}
         now = time.perf_counter()
-        for g, e, r in zip(owners, batch, rows):
-            g.n_cached += len(e.tokens)
-            if e.n_logits:
-                events[g.seq] = self._accept(g, g.sampler.sample(r[-1], g.history), now)
+        for (g, draft), e, r in zip(owners, batch, rows):
+            if not e.n_logits:
+                g.n_cached += len(e.tokens)
+            else:
+                events[g.seq] = self._verify(g, len(e.tokens) - len(draft), draft, r, now)
         return events
+
+    def _draft(self, g: Generation, room: int) -> list[int]:
+        """Prompt-lookup draft for a decoding generation, within every limit it has."""
+        if g.lookup is None:
+            return []
+        cfg = g.lookup.cfg
+        k = min(room, g.max_tokens - len(g.output) - 1, self.n_ctx - len(g.history) - 1)
+        if k <= 0:
+            return []
+        k = min(k, g.lookup.draft_length())
+        return propose(g.history, cfg.min_n, cfg.max_n, k) if k > 0 else []
+
+    def _verify(self, g: Generation, n_known: int, draft: list[int], rows, now: float) -> Event:
+        """Turn the rows of one step into tokens: the row after the n_known history
+        tokens fed, then one per draft token while drafts are kept; the KV of rejected
+        drafts is trimmed."""
+        fed = g.n_cached + n_known + len(draft)
+        events: list[Event] = []
+        kept = 0
+        for i in range(len(draft) + 1):
+            # the grammar's mask follows every token accepted so far in this step
+            row = rows[i] if g.matcher is None else g.matcher.apply(rows[i])
+            if i < len(draft):
+                token, ok = self._judge(g, row, draft[i])
+            else:
+                token, ok = g.sampler.sample(row, g.history), False
+            events.append(self._accept(g, token, now))
+            if g.done or not ok:
+                break
+            kept += 1
+        g.n_cached += n_known + kept
+        if g.n_cached < fed and not g.done:
+            self.backend.kv_trim(g.seq, g.n_cached)
+        t = g.timings
+        t.steps += 1
+        t.drafted += len(draft)
+        t.accepted += kept
+        if g.lookup is not None:
+            g.lookup.record(len(draft), kept, len(events))
+        if len(events) == 1:
+            return events[0]
+        last = events[-1]
+        return Event("".join(e.text for e in events), [tok for e in events for tok in e.tokens], last.finish_reason, last.timings)
+
+    def _judge(self, g: Generation, row, drafted: int) -> tuple[int, bool]:
+        """The token this row yields, and whether it is the drafted one (exact test)."""
+        s = g.sampler
+        if s.params.greedy:
+            token = s.sample(row, g.history)
+            return token, token == drafted
+        ids, probs = s.distribution(row, g.history)
+        kept, token = accept_or_resample(ids, probs, drafted, s.rng)
+        s.commit(token, ids, probs)
+        return token, kept
 
     def _accept(self, g: Generation, token: int, now: float) -> Event:
         t = g.timings
@@ -224,12 +303,16 @@ class Engine:
             t.decode_ms = (now - g._t_first) * 1000
         if token in g.stop_ids:  # the end-of-turn token itself is not output
             return self._finish(g, "stop")
+        if g.matcher is not None:
+            g.matcher.accept(token)
         g.output.append(token)
         g.history.append(token)
         t.generated_tokens = len(g.output)
         text, hit = g.stops.feed(g._utf8.feed(self.backend.token_bytes(token)))
         if hit:
             return self._finish(g, "stop", token, text, flush=False)
+        if g.matcher is not None and g.matcher.is_done():  # nothing but EOS may follow
+            return self._finish(g, "stop", token, text)
         if len(g.output) >= g.max_tokens:
             return self._finish(g, "length", token, text)
         return Event(text, [token])
@@ -243,7 +326,7 @@ class Engine:
         return Event(text, [token] if token is not None else [], reason, g.timings)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Event]:
-        """Stream one generation. kwargs: sampling, max_tokens, stop, ignore_eos."""
+        """Stream one generation. kwargs: sampling, max_tokens, stop, ignore_eos, lookup, grammar."""
         gen = self.start(prompt, **kwargs)
         try:
             if gen.done:

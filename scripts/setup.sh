@@ -12,3 +12,4 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip setuptools wheel
 .venv/bin/python -m pip install --quiet -e '.[test]'
 .venv/bin/python scripts/fetch_test_models.py >/dev/null
+.venv/bin/python scripts/fetch_grammars.py >/dev/null

@@ -56,6 +56,9 @@ class ScriptedBackend:
     def is_control(self, token: int) -> bool:
         return token >= 256
 
+    def token_text(self, token: int) -> str:
+        return "</s>" if token == EOS else bytes([token]).decode("latin-1")
+
     def _row(self, hist: list[int]) -> np.ndarray:
         if self.logits_fn is not None:
             return np.asarray(self.logits_fn(hist), dtype=np.float32)

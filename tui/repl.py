@@ -37,7 +37,8 @@ def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
             history.append({"role": "user", "content": text})
             parts, last = [], None
             try:
-                for ev in engine.generate(engine.chat_prompt(system + history), sampling=sampling, max_tokens=args.max_tokens):
+                prompt = engine.chat_prompt(system + history)
+                for ev in engine.generate(prompt, sampling=sampling, max_tokens=args.max_tokens, lookup=args.lookup):
                     stdout.write(ev.text)
                     stdout.flush()
                     parts.append(ev.text)
