@@ -10,16 +10,55 @@ from . import __version__
 from .errors import LocalrunError
 
 
+# (flag, SamplingParams field, type, help); defaults come from SamplingParams itself
+SAMPLING_FLAGS = [
+    ("--temperature", "temperature", float, "0 = greedy"),
+    ("--top-k", "top_k", int, "0 or -1 = off"),
+    ("--top-p", "top_p", float, None),
+    ("--min-p", "min_p", float, None),
+    ("--typical-p", "typical_p", float, "locally typical sampling; 1 = off"),
+    ("--xtc-probability", "xtc_probability", float, "exclude-top-choices chance; 0 = off"),
+    ("--xtc-threshold", "xtc_threshold", float, None),
+    ("--dynatemp-range", "dynatemp_range", float, "dynamic temperature range; 0 = off"),
+    ("--dynatemp-exponent", "dynatemp_exponent", float, None),
+    ("--repeat-penalty", "repeat_penalty", float, "1 = off"),
+    ("--repeat-last-n", "repeat_last_n", int, "-1 = whole context"),
+    ("--presence-penalty", "presence_penalty", float, None),
+    ("--frequency-penalty", "frequency_penalty", float, None),
+    ("--mirostat", "mirostat", int, "0 = off, 1 or 2"),
+    ("--mirostat-tau", "mirostat_tau", float, None),
+    ("--mirostat-eta", "mirostat_eta", float, None),
+    ("--dry-multiplier", "dry_multiplier", float, "DRY repetition penalty; 0 = off"),
+    ("--dry-base", "dry_base", float, None),
+    ("--dry-allowed-length", "dry_allowed_length", int, None),
+    ("--dry-penalty-last-n", "dry_penalty_last_n", int, "-1 = whole context"),
+    ("--seed", "seed", int, "fixed seed for reproducible sampling"),
+]
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
+    from .sampling import SamplingParams
+
+    defaults = SamplingParams()
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="fixed seed for reproducible sampling")
+    for flag, field, kind, text in SAMPLING_FLAGS:
+        default = getattr(defaults, field)
+        g.add_argument(flag, dest=field, type=kind, default=default, help=f"{text + '; ' if text else ''}default {default}")
+    g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
+                   metavar="TEXT", help="DRY sequence breaker (repeatable; replaces the defaults)")
+    g.add_argument("--samplers", default=None, help="stage order, e.g. 'penalties;dry;top_k;top_p;min_p;temperature'")
+    g.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS", help="add BIAS to token ID (repeatable)")
+
+
+def _logit_bias(items: list[str] | None) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for item in items or []:
+        tok, sep, val = item.partition("=")
+        try:
+            bias[int(tok)] = float(val)
+        except ValueError:
+            raise LocalrunError(f"--logit-bias takes ID=BIAS, e.g. 15043=-5, got {item!r}") from None
+    return bias
 
 
 def _add_constraints(p: argparse.ArgumentParser) -> None:
@@ -66,16 +105,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 def sampling_from_args(args: argparse.Namespace):
     from .sampling import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
-    )
+    values = {field: getattr(args, field) for _, field, _, _ in SAMPLING_FLAGS}
+    if args.dry_sequence_breakers is not None:
+        values["dry_sequence_breakers"] = args.dry_sequence_breakers
+    return SamplingParams(samplers=args.samplers, logit_bias=_logit_bias(args.logit_bias), **values)
 
 
 def print_timings(timings, out=sys.stderr) -> None:

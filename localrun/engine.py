@@ -23,7 +23,7 @@ from localrun.backends.base import Backend, BatchEntry, ModelInfo
 from . import chat_template
 from .errors import BadRequestError, ContextExceededError
 from .grammar import Grammar, GrammarMatcher, build_tokenizer
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenText
 from .speculative import DraftController, LookupConfig, accept_or_resample, propose
 from .textstream import StopMatcher, Utf8Stream
 
@@ -65,6 +65,8 @@ class Event:
     tokens: list[int]
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
     timings: Timings | None = None
+    # with SamplingParams.n_probs > 0: per token, the n most likely (id, probability)
+    top_probs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Engine:
         self.info: ModelInfo = backend.info
         self.n_ctx = backend.n_ctx
         self._free = list(range(backend.n_seq))
+        self.token_text = TokenText.from_backend(backend)  # DRY's breakers, resolved once per model
         self.chat_template = self.info.chat_template or chat_template.fallback_template(
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
@@ -185,7 +188,7 @@ class Engine:
         gen = Generation(
             seq=seq,
             prompt=tokens,
-            sampler=Sampler(sampling or SamplingParams()),
+            sampler=Sampler(sampling or SamplingParams(), self.token_text),
             max_tokens=room if max_tokens is None else min(max_tokens, room),
             stops=StopMatcher(stop),
             stop_ids=frozenset() if ignore_eos else self.info.stop_ids,
@@ -260,11 +263,15 @@ class Engine:
         for i in range(len(draft) + 1):
             # the grammar's mask follows every token accepted so far in this step
             row = rows[i] if g.matcher is None else g.matcher.apply(rows[i])
+            n_probs = g.sampler.params.n_probs
+            alternatives = g.sampler.top_probs(row, g.history, n_probs) if n_probs else None
             if i < len(draft):
                 token, ok = self._judge(g, row, draft[i])
             else:
                 token, ok = g.sampler.sample(row, g.history), False
             events.append(self._accept(g, token, now))
+            if alternatives is not None and events[-1].tokens:
+                events[-1].top_probs = [alternatives]
             if g.done or not ok:
                 break
             kept += 1
@@ -280,7 +287,10 @@ class Engine:
         if len(events) == 1:
             return events[0]
         last = events[-1]
-        return Event("".join(e.text for e in events), [tok for e in events for tok in e.tokens], last.finish_reason, last.timings)
+        probs = [p for e in events for p in (e.top_probs or [])] or None
+        return Event(
+            "".join(e.text for e in events), [t for e in events for t in e.tokens], last.finish_reason, last.timings, probs
+        )
 
     def _judge(self, g: Generation, row, drafted: int) -> tuple[int, bool]:
         """The token this row yields, and whether it is the drafted one (exact test)."""

@@ -154,3 +154,12 @@ def test_bad_token_ids_are_a_clear_error(bad):
     eng = Engine(ScriptedBackend())
     with pytest.raises(BadRequestError):
         eng.start(bad)
+
+
+def test_n_probs_reports_alternatives_per_token():
+    eng = Engine(ScriptedBackend(text_script(b"ok")))
+    events = list(eng.generate("Q:", sampling=SamplingParams(temperature=0, n_probs=3)))
+    with_tokens = [e for e in events if e.tokens]
+    assert [len(e.top_probs) for e in with_tokens] == [1, 1]
+    best_id, best_p = with_tokens[0].top_probs[0][0]
+    assert best_id == ord("o") and best_p > 0.9 and len(with_tokens[0].top_probs[0]) == 3

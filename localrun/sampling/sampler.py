@@ -1,0 +1,194 @@
+"""The Sampler: one generation's chain, RNG and mirostat state."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import BadRequestError
+from .dry import NO_BREAKERS, DryBreakers, TokenText, dry_penalties
+from .mirostat import mirostat_v1, mirostat_v2
+from .params import _ARGMAX_CHANGING, SamplingParams
+from .stages import (
+    _Cands,
+    _log_softmax,
+    _softmax,
+    _top_indices,
+    apply_logit_bias,
+    apply_penalties,
+    min_p,
+    temperature,
+    top_k,
+    top_p,
+    typical,
+    xtc,
+)
+
+
+# -- the sampler ---------------------------------------------------------------------
+
+
+class Sampler:
+    """One generation's sampler: the params, the RNG, mirostat's mu, and (for DRY's
+    sequence breakers) the model's token text.
+
+    `vocab` is a shared `TokenText` (best: built once per model, e.g.
+    `TokenText.from_backend(backend)`), or what `TokenText` takes: a list of pieces or a
+    function id -> bytes/str. Without it DRY still runs, but with no sequence breakers."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab: TokenText | Sequence[bytes | str] | Callable[[int], bytes | str] | None = None,
+    ) -> None:
+        self.params = params
+        self.vocab = vocab if vocab is None or isinstance(vocab, TokenText) else TokenText(vocab)
+        self._order = params.order
+        self._pre = tuple(s for s in self._order if s in _ARGMAX_CHANGING)
+        self._breakers: DryBreakers | None = None
+        self._n_row = 0  # the vocabulary size, from the row being sampled
+        self._seed = params.seed if params.seed is not None and params.seed >= 0 else np.random.SeedSequence().entropy
+        self.rng = np.random.Generator(np.random.PCG64(self._seed))
+        self.mu = 2.0 * params.mirostat_tau
+
+    # -- state, for speculation ----------------------------------------------------
+
+    def snapshot(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "mu": self.mu}
+
+    def restore(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.mu = state["mu"]
+
+    def reset(self) -> None:
+        """Back to the state at construction (same seed, mu = 2 tau)."""
+        self.rng = np.random.Generator(np.random.PCG64(self._seed))
+        self.mu = 2.0 * self.params.mirostat_tau
+
+    # -- the chain -------------------------------------------------------------------
+
+    def _stage(self, name: str, c: _Cands, history: Sequence[int]) -> None:
+        p = self.params
+        if name == "penalties":
+            apply_penalties(c, history, p)
+        elif name == "dry":
+            self._dry(c, history)
+        elif name == "logit_bias":
+            apply_logit_bias(c, p.logit_bias)
+        elif name == "top_k":
+            top_k(c, p.top_k)
+        elif name == "typ_p":
+            typical(c, p.typical_p, p.min_keep)
+        elif name == "top_p":
+            top_p(c, p.top_p, p.min_keep)
+        elif name == "min_p":
+            min_p(c, p.min_p, p.min_keep)
+        elif name == "xtc":
+            xtc(c, p.xtc_probability, p.xtc_threshold, p.min_keep, self.rng)
+        elif name == "temperature":
+            temperature(c, p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+
+    def _dry(self, c: _Cands, history: Sequence[int]) -> None:
+        p = self.params
+        if not p.dry_on:
+            return
+        window = history if p.dry_penalty_last_n == -1 else history[-p.dry_penalty_last_n :]
+        if len(window) <= p.dry_allowed_length:
+            return
+        if self._breakers is None:
+            self._breakers = (
+                self.vocab.breakers(p.dry_sequence_breakers, self._n_row) if self.vocab is not None else NO_BREAKERS
+            )
+        toks, pens = dry_penalties(np.asarray(window, dtype=np.int64), p, self._breakers)
+        if toks.size:
+            c.add(toks, -pens)
+
+    def adjusted(self, row: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """The row after the argmax-changing stages (penalties, DRY, logit bias), in the
+        configured order; the backend's buffer is never written."""
+        self._n_row = row.shape[0]
+        c = _Cands(row)
+        for name in self._pre:
+            self._stage(name, c, history)
+        return c.logits
+
+    def distribution(self, row: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and float64 probabilities: exactly what the draw in `sample` uses,
+        after every stage (for mirostat, after its truncation with the current mu).
+
+        Consumes no randomness except XTC's coin, and changes no other state. Small sets
+        (always, in the default chain) come sorted by descending probability; a chain
+        that keeps more than 4096 tokens returns them in id order."""
+        p = self.params
+        if p.greedy:
+            return np.array([int(np.argmax(self.adjusted(row, history)))]), np.array([1.0])
+        c = _Cands(row)
+        n_vocab = self._n_row = row.shape[0]
+        if p.mirostat:
+            for name in self._pre:
+                self._stage(name, c, history)
+            temperature(c, p.temperature)
+            if p.mirostat == 1:
+                mirostat_v1(c, self.mu, n_vocab)
+            else:
+                mirostat_v2(c, self.mu)
+        else:
+            for name in self._order:
+                self._stage(name, c, history)
+        if not c.sorted and c.size <= 4096:
+            c.sort()
+        return c.id_array(), _softmax(c.logits)
+
+    def draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        """One token from (ids, probs) with one uniform from the RNG; never a p=0 token."""
+        cum = np.cumsum(probs)
+        at = int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"))
+        return int(ids[min(at, ids.size - 1)])
+
+    def commit(self, token: int, ids: np.ndarray, probs: np.ndarray) -> None:
+        """Record that `token` was emitted from the distribution (ids, probs): mirostat
+        moves mu by eta times the token's surprise minus tau. A token outside the
+        distribution (impossible unless chosen by something else) leaves mu alone."""
+        p = self.params
+        if not p.mirostat:
+            return
+        where = np.flatnonzero(ids == token)
+        if where.size and probs[where[0]] > 0:
+            self.mu -= p.mirostat_eta * (-math.log2(float(probs[where[0]])) - p.mirostat_tau)
+
+    def sample(self, row: np.ndarray, history: Sequence[int]) -> int:
+        """distribution + draw + commit; greedy is a plain argmax."""
+        if self.params.greedy:
+            return int(np.argmax(self.adjusted(row, history)))
+        ids, probs = self.distribution(row, history)
+        token = self.draw(ids, probs)
+        self.commit(token, ids, probs)
+        return token
+
+    def candidates(self, row: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The old name of `distribution`."""
+        return self.distribution(row, history)
+
+    def top_probs(self, row: np.ndarray, history: Sequence[int], n: int, which: str = "raw") -> list[tuple[int, float]]:
+        """The n most likely tokens with their probabilities, most likely first.
+
+        which="raw": softmax of the model's logits, what llama-server's `n_probs`
+        reports by default; "adjusted": after penalties, DRY and logit bias, before any
+        truncation; "final": the sampling distribution (llama-server's
+        post_sampling_probs; it draws XTC's coin, so call it instead of, not beside,
+        `distribution` when XTC is on)."""
+        if n <= 0:
+            return []
+        if which == "final":
+            ids, probs = self.distribution(row, history)
+            top = np.argsort(-probs, kind="stable")[:n]
+            return [(int(ids[i]), float(probs[i])) for i in top]
+        if which not in ("raw", "adjusted"):
+            raise BadRequestError(f"top_probs: which must be 'raw', 'adjusted' or 'final', got {which!r}")
+        logits = row if which == "raw" else self.adjusted(row, history)
+        top = _top_indices(logits, min(n, logits.shape[0]))
+        top = top[np.argsort(-logits[top], kind="stable")]
+        logp = _log_softmax(logits)
+        return [(int(t), math.exp(float(logp[t]))) for t in top]

@@ -1,0 +1,245 @@
+"""The candidate set and the truncation/temperature stages of the chain (penalties,
+logit bias, top-k, typical, top-p, min-p, XTC, temperature)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from .params import SamplingParams
+
+
+# -- candidates ----------------------------------------------------------------------
+
+
+class _Cands:
+    """The live candidate set: token ids (None = the whole vocabulary, id == index), their
+    logits, and whether they are sorted by descending logit. The backend's row is never
+    written: `own()` copies before the first in-place change."""
+
+    __slots__ = ("ids", "logits", "sorted", "owned")
+
+    def __init__(self, row: np.ndarray) -> None:
+        self.ids: np.ndarray | None = None
+        self.logits = row
+        self.sorted = False
+        self.owned = False
+
+    @property
+    def size(self) -> int:
+        return self.logits.shape[0]
+
+    def id_array(self) -> np.ndarray:
+        return np.arange(self.size) if self.ids is None else self.ids
+
+    def own(self) -> None:
+        if not self.owned:
+            self.logits = np.array(self.logits, dtype=np.float32, copy=True)
+            self.owned = True
+
+    def keep(self, idx: np.ndarray, is_sorted: bool) -> None:
+        """Keep positions idx (an index array or a mask), in that order."""
+        if idx.dtype == bool:
+            idx = np.flatnonzero(idx)
+        self.ids = idx if self.ids is None else self.ids[idx]
+        self.logits = self.logits[idx]
+        self.owned = True
+        self.sorted = is_sorted
+
+    def sort(self) -> None:
+        if not self.sorted:
+            self.keep(np.argsort(-self.logits, kind="stable"), True)
+
+    def top(self, k: int) -> None:
+        """Keep the k largest logits, sorted descending."""
+        if k < self.size:
+            self.keep(_top_indices(self.logits, k), False)
+        self.sort()
+
+    def positions(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in the set, indices into `tokens`) of the tokens present."""
+        if self.ids is None:
+            sel = np.flatnonzero((tokens >= 0) & (tokens < self.size))
+            return tokens[sel], sel
+        order = np.argsort(self.ids, kind="stable")
+        at = np.minimum(np.searchsorted(self.ids, tokens, sorter=order), self.size - 1)
+        sel = np.flatnonzero(self.ids[order[at]] == tokens)
+        return order[at[sel]], sel
+
+    def add(self, tokens: np.ndarray, deltas: np.ndarray) -> None:
+        pos, sel = self.positions(tokens)
+        if pos.size:
+            self.own()
+            self.logits[pos] += deltas[sel].astype(np.float32)
+            self.sorted = False
+
+
+def _top_indices(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values, unordered, in O(V) without a full argpartition.
+
+    Split the row into 4k blocks: the block maxima are 4k distinct elements, so the k-th
+    largest of them is a lower bound on the row's k-th largest. Only the elements at or
+    above it (k plus a few on typical rows: 43-47 for k=40 on 262k) need partitioning."""
+    n = logits.shape[0]
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    blocks = 4 * k
+    if n >= 8 * blocks:
+        width = n // blocks
+        maxima = logits[: width * blocks].reshape(blocks, width).max(axis=1)
+        bound = np.partition(maxima, blocks - k)[blocks - k]
+        cand = np.flatnonzero(logits >= bound)
+    else:
+        cand = np.arange(n)
+    if cand.size > k:
+        vals = logits[cand]
+        cand = cand[np.argpartition(vals, cand.size - k)[cand.size - k :]]
+    return cand
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 probabilities; exp in float32 (as llama.cpp's expf: 40x cheaper than
+    float64 over a 262k row), normalised in float64 so they sum to 1 tightly."""
+    x = np.asarray(logits, dtype=np.float32)
+    e = np.exp(x - x.max()).astype(np.float64)
+    return e / e.sum()
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    m = x.max()
+    return float(m) + math.log(float(np.exp(x - m).sum()))  # numpy sums pairwise: accurate
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float32)
+    return x.astype(np.float64) - _logsumexp(x)
+
+
+def _mass_head(logits: np.ndarray, p: float) -> np.ndarray:
+    """Positions of the shortest set of largest logits whose probability mass reaches p,
+    sorted descending, without sorting the whole row: bucket the logits by distance from
+    the max, find the bucket where the cumulative mass crosses p, sort only up to it."""
+    x = np.asarray(logits, dtype=np.float32)
+    m = x.max()
+    e = np.exp(x - m)
+    total = float(e.sum(dtype=np.float64))
+    bucket = np.minimum((m - x) * np.float32(256 / 32), 255).astype(np.int64)  # 1/8 nat wide
+    cum = np.cumsum(np.bincount(bucket, weights=e, minlength=256)) / total
+    last = min(int(np.searchsorted(cum, p, side="left")), 255)
+    cand = np.flatnonzero(bucket <= last)
+    cand = cand[np.argsort(-x[cand], kind="stable")]
+    n = int(np.searchsorted(np.cumsum(e[cand], dtype=np.float64) / total, p, side="left")) + 1
+    return cand[: min(n, cand.size)]
+
+
+# -- stages: each takes the candidate set and changes it in place ---------------------
+
+
+def apply_penalties(c: _Cands, history: Sequence[int], p: SamplingParams) -> None:
+    """llama.cpp semantics over the last repeat_last_n tokens: repetition divides a
+    positive logit and multiplies a non-positive one; presence subtracts once per seen
+    token, frequency once per occurrence."""
+    if not p.penalizes:
+        return
+    window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n :]
+    if len(window) == 0:
+        return
+    toks, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+    pos, sel = c.positions(toks)
+    if not pos.size:
+        return
+    c.own()
+    vals = c.logits[pos]
+    if p.repeat_penalty != 1.0:
+        vals = np.where(vals <= 0, vals * p.repeat_penalty, vals / p.repeat_penalty)
+    c.logits[pos] = vals - counts[sel] * p.frequency_penalty - p.presence_penalty
+    c.sorted = False
+
+
+def apply_logit_bias(c: _Cands, bias: dict[int, float]) -> None:
+    if bias:
+        c.add(np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float64, len(bias)))
+
+
+def top_k(c: _Cands, k: int) -> None:
+    if 0 < k < c.size:
+        c.top(k)
+
+
+def typical(c: _Cands, p: float, min_keep: int) -> None:
+    """Locally typical: keep the tokens whose surprise is closest to the entropy until
+    their mass exceeds p."""
+    if p >= 1.0 or c.size <= 1:
+        return
+    c.sort()  # ties in the score then break by logit, as after llama.cpp's sort
+    logp = _log_softmax(c.logits)
+    probs = np.exp(logp)
+    entropy = -float(np.sum(probs[probs > 0] * logp[probs > 0]))
+    order = np.argsort(np.abs(-logp - entropy), kind="stable")
+    over = np.flatnonzero(np.cumsum(probs[order]) > p)
+    n = c.size if not over.size else max(int(over[0]) + 1, min_keep)
+    c.keep(np.sort(order[:n]), True)  # back in logit order: later stages expect it
+
+
+def top_p(c: _Cands, p: float, min_keep: int) -> None:
+    """Keep the shortest sorted prefix whose mass reaches p (at least min_keep)."""
+    if p >= 1.0 or c.size <= 1:
+        return
+    if not c.sorted and c.size > 4096:  # e.g. top-k off: never sort the whole row
+        head = _mass_head(c.logits, p)
+        if head.size >= min_keep:
+            c.keep(head, True)
+            return
+    c.sort()
+    cum = np.cumsum(_softmax(c.logits))
+    n = max(int(np.searchsorted(cum, p, side="left")) + 1, min_keep)
+    if n < c.size:
+        c.keep(np.arange(n), True)
+
+
+def min_p(c: _Cands, p: float, min_keep: int) -> None:
+    """Keep tokens with probability >= p times the top one's: logit >= max + ln p."""
+    if p <= 0.0 or c.size <= 1:
+        return
+    keep = c.logits >= c.logits.max() + math.log(p)
+    if np.count_nonzero(keep) >= max(min_keep, 1):
+        if not keep.all():
+            c.keep(keep, c.sorted)
+    else:
+        c.sort()
+        c.keep(np.arange(min(min_keep, c.size)), True)
+
+
+def xtc(c: _Cands, probability: float, threshold: float, min_keep: int, rng: np.random.Generator) -> None:
+    """Exclude top choices: with chance `probability`, drop every token with p >= threshold
+    except the least likely of them, if at least two qualify. The coin is drawn only when
+    the stage can act (as llama.cpp: probability > 0, threshold <= 0.5, two candidates)."""
+    if probability <= 0.0 or threshold > 0.5 or c.size < 2:
+        return
+    if rng.random() > probability:
+        return
+    c.sort()
+    n_top = int(np.count_nonzero(_softmax(c.logits) >= threshold))  # sorted: a prefix
+    drop = n_top - 1
+    if drop > 0 and c.size - drop >= min_keep:
+        c.keep(np.arange(drop, c.size), True)
+
+
+def temperature(c: _Cands, t: float, dyn_range: float = 0.0, exponent: float = 1.0) -> None:
+    """Divide by t; with dyn_range > 0, t moves within [t - range, t + range] with the
+    normalised entropy of the candidates (llama.cpp's temp-ext)."""
+    if dyn_range > 0:
+        if c.size <= 1:
+            return
+        lo, hi = max(0.0, t - dyn_range), t + dyn_range
+        probs = _softmax(c.logits)
+        nz = probs[probs > 0]
+        entropy = -float(np.sum(nz * np.log(nz)))
+        t = lo + (hi - lo) * (entropy / math.log(c.size)) ** exponent
+    if t <= 0:  # only the argmax survives
+        c.keep(np.array([int(np.argmax(c.logits))]), True)
+    elif t != 1.0:
+        c.logits = c.logits / np.float32(t)
+        c.owned = True
