@@ -20,15 +20,16 @@ def test_wheel_holds_only_the_localrun_package(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/", 1)[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"localrun"}
-    for must in (
-        "localrun/engine.py",
-        "localrun/backends/base.py",
-        "localrun/backends/llamacpp.py",
-        "localrun/backends/mlx.py",
-        "localrun/quant/gguf_to_mlx.py",
-        "localrun/tui/repl.py",
-    ):
-        assert must in names
+    # every source module of the four rooms, at its installed place, and nothing stale
+    rooms = {"localrun": "localrun", "backends": "localrun/backends", "quant": "localrun/quant", "tui": "localrun/tui"}
+    expected = {
+        f"{dest}/{path.relative_to(ROOT / src).as_posix()}"
+        for src, dest in rooms.items()
+        for path in (ROOT / src).rglob("*.py")
+        if "__pycache__" not in path.parts
+    }
+    assert expected <= set(names), expected - set(names)
+    assert {n for n in names if n.endswith(".py")} == expected
     assert not any(n.startswith(("tests/", "scripts/", "backends/", "quant/", "tui/")) for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "localrun = localrun.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
