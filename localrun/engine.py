@@ -24,7 +24,7 @@ from . import chat_template
 from .errors import BadRequestError, ContextExceededError
 from .grammar import Grammar, GrammarMatcher, build_tokenizer
 from .sampling import Sampler, SamplingParams, TokenText
-from .speculative import DraftController, LookupConfig, accept_or_resample, propose
+from .speculative import DraftController, LookupConfig, propose
 from .textstream import StopMatcher, Utf8Stream
 
 
@@ -232,14 +232,18 @@ class Engine:
             budget -= len(chunk)
         if not batch:
             return {}
+        t0 = time.perf_counter()
         rows = self.backend.decode(batch)
         events: dict[int, Event] = {}
         now = time.perf_counter()
         for (g, draft), e, r in zip(owners, batch, rows):
             if not e.n_logits:
                 g.n_cached += len(e.tokens)
-            else:
-                events[g.seq] = self._verify(g, len(e.tokens) - len(draft), draft, r, now)
+                continue
+            n_known = len(e.tokens) - len(draft)
+            if g.lookup is not None and n_known == 1:  # a decode step, not a prefill
+                g.lookup.observe_step(len(draft), (now - t0) * 1000)
+            events[g.seq] = self._verify(g, n_known, draft, r, now)
         return events
 
     def _draft(self, g: Generation, room: int) -> list[int]:
@@ -293,15 +297,10 @@ class Engine:
         )
 
     def _judge(self, g: Generation, row, drafted: int) -> tuple[int, bool]:
-        """The token this row yields, and whether it is the drafted one (exact test)."""
-        s = g.sampler
-        if s.params.greedy:
-            token = s.sample(row, g.history)
-            return token, token == drafted
-        ids, probs = s.distribution(row, g.history)
-        kept, token = accept_or_resample(ids, probs, drafted, s.rng)
-        s.commit(token, ids, probs)
-        return token, kept
+        """Sample the row exactly as a plain step would; the draft is kept iff it is
+        that token (probability p(draft); see localrun/speculative.py)."""
+        token = g.sampler.sample(row, g.history)
+        return token, token == drafted
 
     def _accept(self, g: Generation, token: int, now: float) -> Event:
         t = g.timings

@@ -7,15 +7,19 @@ followed by [7, 9, 5, 6] -> propose [7, 9, 5]. Never [] (a match exists) and nev
 proposal taken from the suffix matching itself.
 
 Verification (in the engine) scores the pending token plus the k drafts in one backend
-step. Greedy: a draft is kept while it equals the argmax. Sampling: a draft x, which was
-chosen deterministically, is kept with probability p(x) under the chain's final
-distribution; on rejection the token is drawn from p with x removed, renormalised.
-Then P(y) = p(x)[y = x] + (1 - p(x)) p(y) / (1 - p(x)) [y != x] = p(y): the output
-distribution is exactly the non-speculative one.
+step, then samples each row exactly as without speculation (same chain, same RNG
+draw) and keeps a draft while it equals the sampled token. A draft x is therefore kept
+with probability p(x), and on rejection the emitted token y != x has law
+p(y) / (1 - p(x)): p with x removed, renormalised. The output is not only distributed
+as without speculation, it is the same token sequence for the same seed, because every
+emitted position consumes the RNG exactly as a plain step does (at temperature 0:
+the same argmax).
 
-`DraftController` adapts the draft length to the measured acceptance and switches
-speculation off when it does not pay, probing again later. It uses acceptance counts
-only, never wall-clock time, so a seeded run reproduces exactly.
+`DraftController` adapts the draft length to the measured acceptance and to the
+measured cost of a wider step (on a CPU a k-row step with all logits costs much more
+than on a GPU, and most on a 262k vocabulary, where the output layer dominates), and
+switches speculation off when it does not pay, probing again later. Its timing only
+changes how many tokens a step verifies, never which tokens come out.
 """
 
 from __future__ import annotations
@@ -42,43 +46,30 @@ def propose(history, min_n: int = 1, max_n: int = 3, k: int = 8) -> list[int]:
     return []
 
 
-def accept_or_resample(ids: np.ndarray, probs: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[bool, int]:
-    """Keep `draft` with probability p(draft); else draw from p without it.
-
-    Returns (kept, token). `ids`/`probs` are the final distribution of the chain.
-    """
-    where = np.flatnonzero(ids == draft)
-    p_x = float(probs[where[0]]) if where.size else 0.0
-    if p_x > 0.0 and rng.random() < p_x:
-        return True, draft
-    if where.size:
-        probs = probs.copy()
-        probs[where[0]] = 0.0
-        total = probs.sum()
-        if total <= 0.0:  # p(x) was 1 within rounding: nothing else to draw
-            return True, draft
-        probs /= total
-    return False, int(ids[int(rng.choice(ids.size, p=probs))])
-
-
 @dataclass
 class LookupConfig:
     enabled: bool = True
     min_n: int = 1
     max_n: int = 3
     max_draft: int = 8
-    # Cost of scoring k extra tokens, in single-token steps: ~1 + 0.17k on a CPU
-    # (SmolLM2/Gemma-3-270M, llama.cpp); far less on a GPU or Apple Silicon.
-    cost_per_draft: float = 0.17
+    # Prior cost of one more verified row, in single-token steps, until measured: on
+    # this project's 2-core CPU it measured 0.6 (SmolLM2) to 1.4 (Gemma-3, 262k vocab);
+    # on a GPU or Apple Silicon it is far less.
+    cost_per_draft: float = 0.5
     cooldown_steps: int = 16  # steps without drafting after speculation stopped paying
+    measure_cost: bool = True  # False keeps cost_per_draft (deterministic draft lengths)
 
 
 class DraftController:
-    """Picks the draft length from the acceptance rate; pure bookkeeping, no timing."""
+    """Picks the draft length from the acceptance rate and the measured row cost."""
+
+    PROBE_RATE = 0.8
 
     def __init__(self, cfg: LookupConfig) -> None:
         self.cfg = cfg
-        self.rate = 0.5  # optimistic start: the first drafts measure the real rate
+        self.rate = self.PROBE_RATE  # optimistic start: the first drafts measure the real rate
+        self.row_cost = cfg.cost_per_draft  # replaced by measurement as steps come in
+        self._plain_ms: float | None = None
         self.cooldown = 0
         self.drafted = 0
         self.accepted = 0
@@ -95,13 +86,23 @@ class DraftController:
         for k in range(1, self.cfg.max_draft + 1):
             # expected tokens per step / relative step cost
             expected = sum(self.rate**i for i in range(k + 1))
-            gain = expected / (1.0 + self.cfg.cost_per_draft * k)
+            gain = expected / (1.0 + self.row_cost * k)
             if gain > best_gain:
                 best_k, best_gain = k, gain
         if best_k == 0:
             self.cooldown = self.cfg.cooldown_steps
-            self.rate = 0.5  # probe with a fresh estimate after the cooldown
+            self.rate = self.PROBE_RATE  # probe with a fresh estimate after the cooldown
         return best_k
+
+    def observe_step(self, drafted: int, ms: float) -> None:
+        """Time of a decode step that verified `drafted` extra rows (0: a plain step)."""
+        if not self.cfg.measure_cost:
+            return
+        if drafted == 0:
+            self._plain_ms = ms if self._plain_ms is None else 0.8 * self._plain_ms + 0.2 * ms
+        elif self._plain_ms:
+            extra = max(0.0, ms - self._plain_ms) / drafted / self._plain_ms
+            self.row_cost = 0.7 * self.row_cost + 0.3 * extra
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         self.steps += 1
