@@ -179,13 +179,18 @@ class MLXBackend:
                 if e.pos > self._offsets[e.seq]:
                     raise ValueError(f"sequence {e.seq}: position {e.pos} leaves a gap after {self._offsets[e.seq]}")
                 self.kv_trim(e.seq, e.pos)
-            logits = self._model(mx.array([list(e.tokens)]), cache=self._caches[e.seq])
-            self._offsets[e.seq] = e.pos + len(e.tokens)
+            cache, tokens = self._caches[e.seq], list(e.tokens)
+            head = len(tokens) - e.n_logits
+            if head:
+                # Rows without logits: evaluate only the cache, so MLX's lazy graph never
+                # runs the output layer for them (on a prompt, most of the work).
+                self._model(mx.array([tokens[:head]]), cache=cache)
+                mx.eval([c.state for c in cache])
+            self._offsets[e.seq] = e.pos + len(tokens)
             if e.n_logits:
-                rows = logits[0, -e.n_logits :, :].astype(mx.float32)
-                out.append(np.array(rows, copy=False))
+                logits = self._model(mx.array([tokens[head:]]), cache=cache)
+                out.append(np.array(logits[0].astype(mx.float32), copy=False))
             else:
-                mx.eval([c.state for c in self._caches[e.seq]])
                 out.append(np.empty((0, self.n_vocab), np.float32))
         return out
 
