@@ -22,7 +22,7 @@ from pathlib import Path
 
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
 TOOLS = Path(os.environ.get("LOCALRUN_TOOLS", Path.home() / ".cache" / "localrun" / "tools"))
-SCHEMA = {"type": "array", "items": {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}, "required": ["city", "population"]}}
+SCHEMA = {"type": "array", "minItems": 12, "items": {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}, "required": ["city", "population"]}}
 PROMPT = "List many cities of the world with their population, as JSON."
 
 
