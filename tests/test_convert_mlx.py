@@ -114,7 +114,7 @@ def test_unsupported_architecture(tmp_path):
 def test_not_a_gguf(tmp_path):
     bogus = tmp_path / "x.gguf"
     bogus.write_bytes(b"not a gguf at all")
-    with pytest.raises(UnsupportedFormatError, match="not a GGUF"):
+    with pytest.raises(UnsupportedFormatError, match="malformed GGUF: bad magic"):
         convert_gguf_to_mlx(bogus, tmp_path / "out")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,12 +12,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_holds_only_the_localrun_package(tmp_path):
+    # build from a copy: setuptools' build/ folder in a checkout can hold stale files
+    src = tmp_path / "src"
+    src.mkdir()
+    for item in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / item, src / item)
+    for room in ("localrun", "backends", "quant", "tui"):
+        shutil.copytree(ROOT / room, src / room, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         check=True,
         capture_output=True,
     )
-    (wheel,) = tmp_path.glob("localrun-*.whl")
+    (wheel,) = out.glob("localrun-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/", 1)[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"localrun"}
