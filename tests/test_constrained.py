@@ -74,3 +74,46 @@ def test_cli_json_schema_and_bad_grammar(smollm2_gguf, tmp_path):
     err = subprocess.run(run + ["--grammar", str(bad)], capture_output=True, text=True, timeout=300)
     assert err.returncode != 0 and "Traceback" not in err.stderr
     assert err.stderr.strip() == "error: bad GBNF grammar at line 1, column 14: undefined rule 'item'"
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0),
+                                    dict(temperature=0.7, top_k=5, repeat_penalty=1.3, xtc_probability=0.5)])
+def test_skipping_the_mask_never_changes_the_output(monkeypatch, params):
+    """The engine computes the full grammar mask only when the unmasked draw could
+    differ; forcing the mask on every step must give the same tokens."""
+    import numpy as np
+
+    from fakes import EOS, N_VOCAB, ScriptedBackend
+    from localrun.engine import Engine
+
+    table = np.random.default_rng(3).normal(size=N_VOCAB).astype(np.float32)
+    boost = np.zeros(N_VOCAB, np.float32)
+    boost[[ord(c) for c in "abcdefxyz"]] = 4.0  # the grammar's letters usually lead
+
+    def logits(hist):
+        return np.roll(table, 7 * len(hist)) + boost
+
+    grammar = Grammar.from_regex(r"[a-f]{2,6}(x|yz)")
+    lazy = Engine._constrain
+    skipped = []
+
+    def counting(g, row):
+        out = lazy(g, row)
+        skipped.append(out is row)
+        return out
+
+    def run(force):
+        forced = staticmethod(lambda g, row: g.matcher.apply(row))
+        monkeypatch.setattr(Engine, "_constrain", forced if force else staticmethod(counting))
+        out = []
+        for seed in range(15):
+            eng = Engine(ScriptedBackend(logits_fn=logits, n_ctx=64))
+            res = eng.complete("go", sampling=SamplingParams(seed=seed, **params), max_tokens=20, grammar=grammar)
+            assert re.fullmatch(r"[a-f]{2,6}(x|yz)", res.text), res.text
+            out.append(res.tokens)
+        return out
+
+    lazy_out = run(False)
+    assert any(skipped) and not all(skipped)  # both paths were taken
+    assert lazy_out == run(True)
+    assert EOS not in {t for toks in lazy_out for t in toks}

@@ -114,6 +114,26 @@ class Sampler:
             self._stage(name, c, history)
         return c.logits
 
+    def top_k_ids(self, row: np.ndarray, history: Sequence[int]) -> np.ndarray | None:
+        """The ids the top-k stage keeps, when top-k is the chain's first truncation
+        (everything before it only adjusts logits); None otherwise.
+
+        A grammar mask must run before truncation. But when every one of these ids is
+        allowed, masking first keeps exactly these ids, so every later stage and the
+        draw come out the same: the engine can skip computing the full mask."""
+        p = self.params
+        if p.greedy or p.mirostat or p.top_k <= 0 or "top_k" not in self._order:
+            return None
+        cut = self._order.index("top_k")
+        if set(self._order[:cut]) != set(self._pre):
+            return None
+        self._n_row = row.shape[0]
+        c = _Cands(row)
+        for name in self._pre:
+            self._stage(name, c, history)
+        top_k(c, p.top_k)
+        return c.id_array()
+
     def distribution(self, row: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and float64 probabilities: exactly what the draw in `sample` uses,
         after every stage (for mirostat, after its truncation with the current mu).
