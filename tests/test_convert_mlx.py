@@ -9,7 +9,6 @@ with every tensor dequantized to F32).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +18,9 @@ from localrun.errors import LocalrunError, UnsupportedFormatError
 from localrun.quant.gguf_to_mlx import convert_gguf_to_mlx, permute_qk, unpermute_qk
 from localrun.quant.gguf_tokenizer import build_tokenizer
 
-MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache/localrun/test-models"))
-SMOL = MODELS / "smollm2-135m-instruct-q4_1.gguf"
-GEMMA = MODELS / "gemma-3-270m-q4_k_m.gguf"
+from conftest import FETCH_HINT, GEMMA3_GGUF as GEMMA, SMOLLM2_GGUF as SMOL  # one place for model paths
 
-needs_smol = pytest.mark.skipif(
-    not SMOL.is_file(), reason=f"{SMOL} absent; run scripts/fetch_test_models.py"
-)
+needs_smol = pytest.mark.skipif(not SMOL.is_file(), reason=f"{SMOL.name} is missing: {FETCH_HINT}")
 
 
 def _partials(parent: Path) -> list[Path]:
@@ -35,7 +30,7 @@ def _partials(parent: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     if not SMOL.is_file():
-        pytest.skip(f"{SMOL} absent; run scripts/fetch_test_models.py")
+        pytest.skip(f"{SMOL.name} is missing: {FETCH_HINT}")
     out = tmp_path_factory.mktemp("convert") / "smollm2-mlx"
     msgs: list[str] = []
     assert convert_gguf_to_mlx(SMOL, out, progress=msgs.append) == out
@@ -52,7 +47,7 @@ def mlx_model(converted):
 @pytest.fixture(scope="module")
 def smol_reader():
     if not SMOL.is_file():
-        pytest.skip(f"{SMOL} absent")
+        pytest.skip(f"{SMOL.name} is missing: {FETCH_HINT}")
     import gguf
 
     return gguf.GGUFReader(SMOL)
@@ -226,7 +221,7 @@ def _llama_cpp_tokenize(path: Path):
 @pytest.fixture(scope="module")
 def llama_tokenize():
     if not SMOL.is_file():
-        pytest.skip(f"{SMOL} absent")
+        pytest.skip(f"{SMOL.name} is missing: {FETCH_HINT}")
     tokenize, free = _llama_cpp_tokenize(SMOL)
     yield tokenize
     free()
