@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from . import __version__
@@ -159,14 +160,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_repl(args)
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
-    if args.to != "mlx":
-        raise LocalrunError(f"--to {args.to} is not supported yet; supported: mlx")
-    from localrun.quant.gguf_to_mlx import convert_gguf_to_mlx
-
-    out = convert_gguf_to_mlx(args.src, args.output, progress=lambda msg: print(msg, file=sys.stderr))
-    print(out)
-    return 0
+# Modules that add their own subcommands (`add_commands(subparsers)`); each imports only
+# argparse at load time, so `localrun --help` stays instant.
+COMMAND_MODULES = ["localrun.quant.cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,11 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(chat)
     chat.set_defaults(func=cmd_chat)
 
-    conv = sub.add_parser("convert", help="convert a model to another format")
-    conv.add_argument("src", help="source model (a .gguf file)")
-    conv.add_argument("--to", required=True, help="target format: mlx")
-    conv.add_argument("-o", "--output", required=True, help="output folder (must not exist or be empty)")
-    conv.set_defaults(func=cmd_convert)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(sub)
     return parser
 
 
