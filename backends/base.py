@@ -81,6 +81,10 @@ class Backend(Protocol):
         """Run one forward pass over every entry; one [n_logits, n_vocab] float32 array each."""
         ...
 
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """A normalised embedding of `tokens` (mean of the last hidden states)."""
+        ...
+
     def kv_trim(self, seq: int, n_keep: int) -> None:
         """Drop every cached position >= n_keep of `seq`."""
         ...
@@ -91,7 +95,38 @@ class Backend(Protocol):
 
     def kv_clear(self, seq: int) -> None: ...
 
+    def kv_tokens(self, seq: int) -> Sequence[int]:
+        """The tokens `seq`'s KV holds, in position order (what a new prompt may reuse)."""
+        ...
+
     def close(self) -> None: ...
+
+
+class KvLedger:
+    """Which tokens each sequence's KV cache holds, kept beside the cache by the backend
+    that owns it, so whoever reuses a cached prefix checks against the truth (not
+    against its own memory of what it once fed)."""
+
+    def __init__(self, n_seq: int) -> None:
+        self._kv: list[list[int]] = [[] for _ in range(n_seq)]
+
+    def fed(self, batch: Sequence[BatchEntry]) -> None:
+        for e in batch:
+            kv = self._kv[e.seq]
+            del kv[e.pos :]
+            kv.extend(int(t) for t in e.tokens)
+
+    def trimmed(self, seq: int, n_keep: int) -> None:
+        del self._kv[seq][max(0, n_keep) :]
+
+    def copied(self, src: int, dst: int, n: int) -> None:
+        self._kv[dst] = self._kv[src][:n]
+
+    def cleared(self, seq: int) -> None:
+        self._kv[seq] = []
+
+    def tokens(self, seq: int) -> list[int]:
+        return self._kv[seq]
 
 
 def check_batch(batch: Sequence[BatchEntry], n_seq: int, n_ctx: int, n_batch: int) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from localrun.errors import BackendUnavailableError, ModelLoadError
 from localrun.quant.catalog import file_type_name
 
-from .base import BatchEntry, ModelInfo, check_batch
+from .base import BatchEntry, KvLedger, ModelInfo, check_batch
 
 try:
     import llama_cpp as _lc
@@ -82,6 +82,7 @@ class LlamaCppBackend:
         self._model = None
         self._ctx = None
         self._batch = None
+        self._embedder = None  # (context, batch) made on the first embed() call
         path = str(path)
         mparams = _lc.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers  # -1: all layers on the GPU where one exists
@@ -94,6 +95,7 @@ class LlamaCppBackend:
         n_ctx_train = _lc.llama_model_n_ctx_train(model)
         self.n_ctx = int(n_ctx or min(4096, n_ctx_train))
         self.n_seq = int(n_seq)
+        self._ledger = KvLedger(self.n_seq)
         self.n_batch = int(min(n_batch, self.n_ctx * self.n_seq))
         threads = int(threads or default_threads())
 
@@ -239,6 +241,7 @@ class LlamaCppBackend:
         rc = _lc.llama_decode(self._ctx, b)
         if rc != 0:
             raise ModelLoadError(f"llama_decode failed with code {rc} (batch of {i} tokens)")
+        self._ledger.fed(batch)
         n_out = sum(e.n_logits for e in batch)
         out: list[np.ndarray] = []
         if n_out == 0:
@@ -252,23 +255,67 @@ class LlamaCppBackend:
             r += e.n_logits
         return out
 
+    # -- embeddings --------------------------------------------------------------
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """The mean of the last hidden states over `tokens`, L2-normalised. A context
+        of its own (embeddings on, mean pooling) keeps the generation context untouched."""
+        if not 0 < len(tokens) <= self.n_ctx:
+            raise ValueError(f"embed: {len(tokens)} tokens, expected 1..{self.n_ctx}")
+        if self._embedder is None:
+            p = _lc.llama_context_default_params()
+            p.n_ctx = p.n_batch = p.n_ubatch = self.n_ctx  # one pooled sequence fits one ubatch
+            p.n_seq_max = 1
+            p.n_threads = p.n_threads_batch = self.threads
+            p.embeddings = True
+            p.pooling_type = _lc.LLAMA_POOLING_TYPE_MEAN
+            p.no_perf = True
+            ctx = _lc.llama_init_from_model(self._model, p)
+            if not ctx:
+                raise ModelLoadError("llama.cpp could not create an embedding context; try a smaller --ctx")
+            self._embedder = (ctx, _lc.llama_batch_init(self.n_ctx, 0, 1))
+        ctx, b = self._embedder
+        _lc.llama_memory_clear(_lc.llama_get_memory(ctx), True)
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, i, 1, True
+            b.seq_id[i][0] = 0
+        b.n_tokens = len(tokens)
+        rc = _lc.llama_decode(ctx, b)
+        if rc != 0:
+            raise ModelLoadError(f"llama_decode failed with code {rc} while embedding {len(tokens)} tokens")
+        n_embd = _lc.llama_model_n_embd(self._model)
+        vec = np.ctypeslib.as_array(_lc.llama_get_embeddings_seq(ctx, 0), shape=(n_embd,)).astype(np.float32)
+        norm = float(np.linalg.norm(vec))
+        return vec / norm if norm > 0 else vec
+
     # -- KV cache ----------------------------------------------------------------
 
     def kv_trim(self, seq: int, n_keep: int) -> None:
         if not _lc.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
             raise ModelLoadError(f"llama.cpp could not trim sequence {seq} to {n_keep} tokens")
+        self._ledger.trimmed(seq, n_keep)
 
     def kv_copy(self, src: int, dst: int, n: int) -> None:
         # Between separate KV streams llama.cpp copies whole sequences only (a partial
         # range aborts the process), so copy everything and trim the copy.
         _lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
         _lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._ledger.copied(src, dst, n)
         self.kv_trim(dst, n)
 
     def kv_clear(self, seq: int) -> None:
         _lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._ledger.cleared(seq)
+
+    def kv_tokens(self, seq: int) -> list[int]:
+        return self._ledger.tokens(seq)
 
     def close(self) -> None:
+        if self._embedder is not None:
+            ctx, b = self._embedder
+            _lc.llama_batch_free(b)
+            _lc.llama_free(ctx)
+            self._embedder = None
         if self._batch is not None:
             _lc.llama_batch_free(self._batch)
             self._batch = None

@@ -20,7 +20,7 @@ import numpy as np
 
 from localrun.errors import BackendUnavailableError, ModelLoadError
 
-from .base import BatchEntry, ModelInfo, check_batch
+from .base import BatchEntry, KvLedger, ModelInfo, check_batch
 
 
 def _import_mlx():
@@ -101,6 +101,7 @@ class MLXBackend:
         self._make_cache = lambda: make_prompt_cache(self._model)
         self._caches = [self._make_cache() for _ in range(self.n_seq)]
         self._offsets = [0] * self.n_seq
+        self._ledger = KvLedger(self.n_seq)
         hf = self._hf
         self.n_vocab = int(config.get("vocab_size") or len(hf))
         self._special = set(hf.all_special_ids)
@@ -192,7 +193,24 @@ class MLXBackend:
                 out.append(np.array(logits[0].astype(mx.float32), copy=False))
             else:
                 out.append(np.empty((0, self.n_vocab), np.float32))
+        self._ledger.fed(batch)
         return out
+
+    # -- embeddings --------------------------------------------------------------
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """The mean of the last hidden states (the model body's normed output, before
+        the vocabulary projection) over `tokens`, L2-normalised."""
+        if not 0 < len(tokens) <= self.n_ctx:
+            raise ValueError(f"embed: {len(tokens)} tokens, expected 1..{self.n_ctx}")
+        mx = self._mx
+        body = getattr(self._model, "model", None) or getattr(self._model, "language_model", None)
+        if body is None:
+            raise ModelLoadError("this MLX model does not expose its hidden states, so it cannot embed")
+        hidden = body(mx.array([list(tokens)]))
+        vec = np.array(mx.mean(hidden[0].astype(mx.float32), axis=0))
+        norm = float(np.linalg.norm(vec))
+        return vec / norm if norm > 0 else vec
 
     # -- KV cache ----------------------------------------------------------------
 
@@ -205,6 +223,7 @@ class MLXBackend:
                 raise ModelLoadError("this MLX model's cache cannot be trimmed")
             c.trim(drop)
         self._offsets[seq] = n_keep
+        self._ledger.trimmed(seq, n_keep)
 
     def kv_copy(self, src: int, dst: int, n: int) -> None:
         n = min(n, self._offsets[src])
@@ -216,10 +235,15 @@ class MLXBackend:
                 d.state = (keys[..., :n, :], values[..., :n, :], n)
         self._caches[dst] = fresh
         self._offsets[dst] = n
+        self._ledger.copied(src, dst, n)
 
     def kv_clear(self, seq: int) -> None:
         self._caches[seq] = self._make_cache()
         self._offsets[seq] = 0
+        self._ledger.cleared(seq)
+
+    def kv_tokens(self, seq: int) -> list[int]:
+        return self._ledger.tokens(seq)
 
     def close(self) -> None:
         self._caches = []

@@ -162,7 +162,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # Modules that add their own subcommands (`add_commands(subparsers)`); each imports only
 # argparse at load time, so `localrun --help` stays instant.
-COMMAND_MODULES = ["localrun.quant.cli"]
+COMMAND_MODULES = ["localrun.quant.cli", "localrun.server.command"]
 
 
 def build_parser() -> argparse.ArgumentParser:

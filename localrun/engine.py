@@ -23,7 +23,7 @@ from localrun.backends import open_backend
 from localrun.backends.base import Backend, BatchEntry, ModelInfo
 
 from . import chat_template
-from .errors import BadRequestError, ContextExceededError
+from .errors import BadRequestError, ContextExceededError, LocalrunError
 from .grammar import Grammar, GrammarMatcher, build_tokenizer
 from .sampling import Sampler, SamplingParams, TokenText
 from .speculative import DraftController, LookupConfig, propose
@@ -33,6 +33,7 @@ from .textstream import StopMatcher, Utf8Stream
 @dataclass
 class Timings:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV a previous request left in the slot
     prefill_ms: float = 0.0
     decode_tokens: int = 0  # tokens produced after the first one
     decode_ms: float = 0.0
@@ -52,7 +53,8 @@ class Timings:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / (self.prefill_ms / 1000) if self.prefill_ms > 0 else 0.0
+        evaluated = self.prompt_tokens - self.cached_tokens
+        return evaluated / (self.prefill_ms / 1000) if self.prefill_ms > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -69,6 +71,8 @@ class Event:
     timings: Timings | None = None
     # with SamplingParams.n_probs > 0: per token, the n most likely (id, probability)
     top_probs: list[list[tuple[int, float]]] | None = None
+    # with n_probs > 0: per token, the probability the model gave the token it produced
+    token_probs: list[float] | None = None
 
 
 @dataclass
@@ -170,6 +174,46 @@ class Engine:
         grammar: Grammar | None = None,
     ) -> Generation:
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.check_prompt(tokens, max_tokens)
+        if not self._free:
+            raise RuntimeError("every sequence slot is busy")
+        room = self.n_ctx - len(tokens)
+        seq, n_keep = self._pick_slot(tokens)
+        try:
+            self.backend.kv_trim(seq, n_keep)
+        except LocalrunError:  # a cache that cannot be cut (some MLX layer types)
+            n_keep = 0
+        if not n_keep:
+            self.backend.kv_clear(seq)
+        gen = Generation(
+            seq=seq,
+            prompt=tokens,
+            sampler=Sampler(sampling or SamplingParams(), self.token_text),
+            max_tokens=room if max_tokens is None else min(max_tokens, room),
+            stops=StopMatcher(stop),
+            stop_ids=frozenset() if ignore_eos else self.info.stop_ids,
+            history=list(tokens),
+            n_cached=n_keep,
+        )
+        cfg = lookup if isinstance(lookup, LookupConfig) else LookupConfig(enabled=bool(lookup))
+        if cfg.enabled:
+            gen.lookup = DraftController(cfg)
+        if grammar is not None:
+            gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
+        gen.timings.prompt_tokens = len(tokens)
+        gen.timings.cached_tokens = n_keep
+        gen._t_start = time.perf_counter()
+        if gen.max_tokens == 0:
+            self._finish(gen, "length")
+        return gen
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def check_prompt(self, tokens: Sequence[int], max_tokens: int | None = None) -> None:
+        """Every check `start` makes on a prompt, for callers that must refuse a request
+        before they answer it (a server before its first streamed byte)."""
         if not tokens:
             raise BadRequestError("the prompt is empty")
         if len(tokens) >= self.n_ctx:
@@ -182,33 +226,32 @@ class Engine:
             raise BadRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.info.n_vocab - 1})")
         if max_tokens is not None and max_tokens < 0:
             raise BadRequestError(f"max_tokens must be >= 0, got {max_tokens}")
-        if not self._free:
-            raise RuntimeError("every sequence slot is busy")
-        room = self.n_ctx - len(tokens)
-        seq = self._free.pop(0)
-        self.backend.kv_clear(seq)
-        gen = Generation(
-            seq=seq,
-            prompt=tokens,
-            sampler=Sampler(sampling or SamplingParams(), self.token_text),
-            max_tokens=room if max_tokens is None else min(max_tokens, room),
-            stops=StopMatcher(stop),
-            stop_ids=frozenset() if ignore_eos else self.info.stop_ids,
-            history=list(tokens),
-        )
-        cfg = lookup if isinstance(lookup, LookupConfig) else LookupConfig(enabled=bool(lookup))
-        if cfg.enabled:
-            gen.lookup = DraftController(cfg)
-        if grammar is not None:
-            gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
-        gen.timings.prompt_tokens = len(tokens)
-        gen._t_start = time.perf_counter()
-        if gen.max_tokens == 0:
-            self._finish(gen, "length")
-        return gen
+
+    def _pick_slot(self, tokens: list[int]) -> tuple[int, int]:
+        """The free slot whose KV shares the longest prefix with `tokens`, and how many
+        of those cached tokens to keep. At least the last prompt token is always fed
+        again (its logits start the answer). A sliding-window model keeps a slot only
+        while nothing has left its window (older positions may be gone from the cache)."""
+        best, keep = self._free[0], 0
+        window = self.info.sliding_window
+        for seq in self._free:
+            cached = self.backend.kv_tokens(seq)
+            if window and len(cached) > window:
+                continue
+            n = min(_common_prefix(cached, tokens), len(tokens) - 1)
+            if n > keep:
+                best, keep = seq, n
+        self._free.remove(best)
+        return best, keep
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` a request starting now would find in a free slot's KV."""
+        kv = self.backend.kv_tokens
+        return max((min(_common_prefix(kv(s), tokens), len(tokens) - 1) for s in self._free), default=0)
 
     def release(self, gen: Generation) -> None:
-        """Give the generation's slot back (its KV stays until the slot is reused)."""
+        """Give the generation's slot back; its KV stays for the next prompt that shares
+        a prefix with it."""
         if gen.seq not in self._free:
             self._free.append(gen.seq)
         if not gen.done:
@@ -278,6 +321,7 @@ class Engine:
             events.append(self._accept(g, token, now))
             if alternatives is not None and events[-1].tokens:
                 events[-1].top_probs = [alternatives]
+                events[-1].token_probs = [g.sampler.token_prob(row, token)]
             if g.done or not ok:
                 break
             kept += 1
@@ -294,8 +338,14 @@ class Engine:
             return events[0]
         last = events[-1]
         probs = [p for e in events for p in (e.top_probs or [])] or None
+        chosen = [p for e in events for p in (e.token_probs or [])] or None
         return Event(
-            "".join(e.text for e in events), [t for e in events for t in e.tokens], last.finish_reason, last.timings, probs
+            "".join(e.text for e in events),
+            [t for e in events for t in e.tokens],
+            last.finish_reason,
+            last.timings,
+            probs,
+            chosen,
         )
 
     @staticmethod
@@ -379,3 +429,10 @@ class Engine:
     def chat(self, messages: list[dict], **kwargs) -> Iterator[Event]:
         return self.generate(self.chat_prompt(messages), **kwargs)
 
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -87,6 +87,9 @@ class ScriptedBackend:
     def kv_clear(self, seq: int) -> None:
         self.kv[seq] = []
 
+    def kv_tokens(self, seq: int) -> list[int]:
+        return self.kv[seq]
+
     def close(self) -> None:
         pass
 

@@ -191,6 +191,10 @@ class Sampler:
         """The old name of `distribution`."""
         return self.distribution(row, history)
 
+    def token_prob(self, row: np.ndarray, token: int) -> float:
+        """The raw softmax probability of one token (the `top_probs` "raw" scale)."""
+        return math.exp(float(_log_softmax(row)[token]))
+
     def top_probs(self, row: np.ndarray, history: Sequence[int], n: int, which: str = "raw") -> list[tuple[int, float]]:
         """The n most likely tokens with their probabilities, most likely first.
 

@@ -1,0 +1,59 @@
+"""`localrun serve`: the command line of the server."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+from ..errors import BadRequestError
+
+DEFAULT_PORT = 11435
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import build_app
+    from .models import ModelManager, _resolve_path, parse_keep_alive
+
+    if args.parallel < 1:
+        raise BadRequestError(f"--parallel must be at least 1, got {args.parallel}")
+    if args.ctx is not None and args.ctx < 16:
+        raise BadRequestError(f"--ctx must be at least 16 tokens, got {args.ctx}")
+    for m in args.model or []:
+        _resolve_path(m)  # a wrong --model fails now, not at the first request
+    manager = ModelManager(
+        args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive)
+    )
+    app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body)
+    print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("serve", help="serve models over HTTP (OpenAI, Ollama and llama-server APIs)")
+    p.add_argument("--model", action="append", default=None, metavar="MODEL",
+                   help="a .gguf file, an MLX folder or a store name (repeatable; the first is the default)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--parallel", type=int, default=4, help="requests decoded together per model (default 4)")
+    p.add_argument("--ctx", type=int, default=None, help="context size per request (default: min(4096, trained))")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
+    p.add_argument("--keep-alive", default="5m", help="unload a model idle this long (Ollama syntax; -1 = never)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="allow this browser origin (repeatable; default: localhost pages and VS Code webviews)")
+    p.add_argument("--max-body", type=int, default=8 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,193 @@
+"""HTTP plumbing shared by the three dialects: the guard middleware (DNS-rebinding Host
+check, CORS allowlist, API key), bounded JSON bodies, each dialect's error shape, and
+streaming that stops generating when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import BadRequestError, LocalrunError
+
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+DEFAULT_ORIGINS = (
+    r"https?://localhost(:\d+)?",
+    r"https?://127\.0\.0\.1(:\d+)?",
+    r"https?://\[::1\](:\d+)?",
+    r"vscode-webview://.*",
+    r"vscode-file://.*",
+)
+
+
+class PayloadTooLargeError(LocalrunError):
+    http_status = 413
+
+
+class UnauthorizedError(LocalrunError):
+    http_status = 401
+
+
+class ForbiddenError(LocalrunError):
+    http_status = 403
+
+
+def dialect_of(path: str) -> str:
+    if path.startswith("/v1/"):
+        return "openai"
+    if path.startswith("/api/"):
+        return "ollama"
+    return "llama"
+
+
+def error_response(path: str, status: int, message: str) -> JSONResponse:
+    """The error body each dialect's clients parse."""
+    dialect = dialect_of(path)
+    if dialect == "ollama":
+        return JSONResponse({"error": message}, status_code=status)
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 413: "invalid_request_error", 503: "unavailable_error"}.get(status, "server_error")
+    if dialect == "openai":
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
+
+
+class Guard:
+    """ASGI middleware in front of every route.
+
+    - Host check: a server on loopback answers only requests addressed to a loopback
+      name, so a web page that rebinds its own DNS name to 127.0.0.1 gets 403.
+    - CORS: browsers get Access-Control-Allow-Origin only for allowed origins (local
+      pages and editor webviews by default); other origins get no CORS headers.
+    - API key: with --api-key, every route but /health needs `Authorization: Bearer KEY`
+      (or `x-api-key`).
+    """
+
+    def __init__(self, app, loopback: bool, origins: list[str] | None, api_key: str | None) -> None:
+        self.app = app
+        self.loopback = loopback
+        patterns = [re.escape(o) for o in origins] if origins else list(DEFAULT_ORIGINS)
+        self.origin_re = re.compile("^(" + "|".join(patterns) + ")$")
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
+        origin = headers.get("origin")
+        cors = origin is not None and bool(self.origin_re.match(origin))
+        if self.loopback and _host_name(headers.get("host", "")) not in LOOPBACK_HOSTS:
+            return await error_response(path, 403, "forbidden host: this server answers only localhost names")(scope, receive, send)
+        if scope["method"] == "OPTIONS" and origin is not None:
+            return await self._preflight(cors, origin, headers, scope, receive, send)
+        if self.api_key and path != "/health" and not self._authorized(headers):
+            resp = error_response(path, 401, "invalid or missing API key: send 'Authorization: Bearer KEY'")
+            return await self._with_cors(resp, cors, origin)(scope, receive, send)
+
+        async def send_with_cors(message) -> None:
+            if cors and message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [
+                    (b"access-control-allow-origin", origin.encode("latin-1")),
+                    (b"vary", b"Origin"),
+                ]
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+    def _authorized(self, headers: dict) -> bool:
+        auth = headers.get("authorization", "")
+        return auth == f"Bearer {self.api_key}" or headers.get("x-api-key") == self.api_key
+
+    @staticmethod
+    def _with_cors(resp: Response, cors: bool, origin: str | None) -> Response:
+        if cors and origin:
+            resp.headers["access-control-allow-origin"] = origin
+            resp.headers["vary"] = "Origin"
+        return resp
+
+    async def _preflight(self, cors, origin, headers, scope, receive, send) -> None:
+        if not cors:
+            return await Response(status_code=403)(scope, receive, send)
+        resp = Response(status_code=204)
+        resp.headers["access-control-allow-origin"] = origin
+        resp.headers["access-control-allow-methods"] = "GET, POST, DELETE, OPTIONS"
+        resp.headers["access-control-allow-headers"] = headers.get(
+            "access-control-request-headers", "authorization, content-type"
+        )
+        resp.headers["access-control-max-age"] = "600"
+        resp.headers["vary"] = "Origin"
+        await resp(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.index("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The request's JSON object, read up to `limit` bytes (413 beyond)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLargeError(f"request body of {length} bytes exceeds the {limit}-byte limit")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"request body exceeds the {limit}-byte limit")
+    if not body.strip():
+        raise BadRequestError("the request body is empty: send a JSON object")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):
+    """Await `work`; if the client hangs up first, call on_disconnect and raise CancelledError."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.1)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                on_disconnect()
+                task.cancel()
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def stream(request: Request, chunks: AsyncIterator[bytes], media_type: str, on_close: Callable[[], None]) -> StreamingResponse:
+    """A streamed body; when the client disconnects (or the stream ends) on_close runs,
+    which cancels the generation and frees its slot."""
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            on_close()
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(guarded(), media_type=media_type, headers=headers)
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def ndjson(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"

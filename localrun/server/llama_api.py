@@ -1,0 +1,230 @@
+"""The llama-server dialect: /completion, /infill (llama.vim, llama.vscode), /tokenize,
+/detokenize, /health, /props, /slots, /metrics. Requests may name a `model`; without
+one they go to the server's first --model, as llama-server serves one model."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+
+from ..errors import BadRequestError
+from .fields import Body, grammar_from, sampling_params
+from .fim import fim_tokens
+from .http import sse, stream
+from .runner import collect, events, logprob, submit
+from .state import route, state
+
+
+def _options(b: Body) -> dict:
+    n_predict = b.int("n_predict")
+    if n_predict is None:
+        n_predict = b.int("max_tokens")
+    return {
+        "sampling": sampling_params(b, n_probs=b.int("n_probs", 0, lo=0)),
+        "max_tokens": None if n_predict is None or n_predict < 0 else n_predict,
+        "stop": b.strings("stop"),
+        "grammar": grammar_from(b),
+        "ignore_eos": b.bool("ignore_eos", False),
+        "lookup": b.bool("lookup", True),
+    }
+
+
+def _prompt_tokens(eng, prompt) -> list[int]:
+    """A string, a list of token ids, or a list mixing strings and ids (llama-server's forms)."""
+    if isinstance(prompt, str):
+        return eng.tokenize(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _prompt_tokens(eng, prompt[0])
+    if isinstance(prompt, list) and prompt:
+        out: list[int] = []
+        for i, part in enumerate(prompt):
+            if isinstance(part, int) and not isinstance(part, bool):
+                out.append(part)
+            elif isinstance(part, str):
+                out.extend(eng.tokenize(part, add_special=not out))
+            else:
+                raise BadRequestError(f"'prompt[{i}]' must be a token id or a string")
+        return out
+    raise BadRequestError("'prompt' must be a string or a list of token ids")
+
+
+def _probs(eng, tokens, chosen, tops) -> list[dict]:
+    piece = lambda t: eng.backend.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731
+    return [
+        {"id": tok, "token": piece(tok), "logprob": logprob(p), "bytes": list(eng.backend.token_bytes(tok)),
+         "top_logprobs": [{"id": t, "token": piece(t), "logprob": logprob(q)} for t, q in top]}
+        for tok, p, top in zip(tokens, chosen, tops)
+    ]
+
+
+def _timings(t) -> dict:
+    prompt_n = t.prompt_tokens - t.cached_tokens
+    return {
+        "cache_n": t.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": t.prefill_ms,
+        "prompt_per_token_ms": t.prefill_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": t.prefill_tps,
+        "predicted_n": t.generated_tokens,
+        "predicted_ms": t.decode_ms,
+        "predicted_per_token_ms": t.decode_ms / t.decode_tokens if t.decode_tokens else 0.0,
+        "predicted_per_second": t.decode_tps,
+        "draft_n": t.drafted,
+        "draft_n_accepted": t.accepted,
+    }
+
+
+async def _run(request: Request, b: Body, model, tokens: list[int], options: dict):
+    job = submit(model, tokens, options, b.float("t_max_predict_ms"))
+    eng, n_probs = model.engine, options["sampling"].n_probs
+
+    def final(text: str, out_tokens: list[int], reason: str, t) -> dict:
+        return {
+            "index": 0, "content": text, "tokens": out_tokens, "id_slot": job.gen.seq if job.gen else -1,
+            "stop": True, "model": model.name, "tokens_predicted": t.generated_tokens,
+            "tokens_evaluated": t.prompt_tokens, "tokens_cached": t.cached_tokens, "truncated": False,
+            "stop_type": "limit" if reason == "length" else "eos", "stopping_word": "",
+            "has_new_line": "\n" in text, "timings": _timings(t),
+        }
+
+    if b.bool("stream", False):
+
+        async def body():
+            try:
+                async for ev in events(model, job):
+                    if ev.finish_reason:
+                        last = final(ev.text, ev.tokens, ev.finish_reason, ev.timings)
+                        if n_probs:
+                            last["completion_probabilities"] = _probs(eng, ev.tokens, ev.token_probs or [], ev.top_probs or [])
+                        yield sse(last)
+                    elif ev.text or ev.tokens:
+                        piece = {"index": 0, "content": ev.text, "tokens": ev.tokens, "stop": False,
+                                 "id_slot": job.gen.seq if job.gen else -1}
+                        if n_probs:
+                            piece["completion_probabilities"] = _probs(eng, ev.tokens, ev.token_probs or [], ev.top_probs or [])
+                        yield sse(piece)
+            except Exception as exc:  # the stream has begun: report in-band
+                yield sse({"error": {"code": 500, "message": str(exc), "type": "server_error"}})
+
+        return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
+    res = await collect(request, model, job)
+    out = final(res.text, res.tokens, res.finish_reason, res.timings)
+    if n_probs:
+        out["completion_probabilities"] = _probs(eng, res.tokens, res.token_probs, res.top_probs)
+    return JSONResponse(out)
+
+
+@route("POST", "/completion")
+async def completion(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    if b.get("prompt") is None:
+        raise BadRequestError("'prompt' is required")
+    options = _options(b)
+    model = await st.manager.get(b.str("model"))
+    return await _run(request, b, model, _prompt_tokens(model.engine, b.get("prompt")), options)
+
+
+@route("POST", "/infill")
+async def infill(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    prefix, suffix, middle = b.str("input_prefix", ""), b.str("input_suffix", ""), b.str("prompt", "")
+    extra = []
+    for i, chunk in enumerate(b.list("input_extra") or []):
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str):
+            raise BadRequestError(f"'input_extra[{i}]' must be an object with 'filename' and 'text' strings")
+        extra.append((str(chunk.get("filename") or ""), chunk.get("text", "")))
+    options = _options(b)
+    model = await st.manager.get(b.str("model"))
+    tokens = fim_tokens(model.engine, prefix, suffix, extra, middle, name=model.name)
+    return await _run(request, b, model, tokens, options)
+
+
+@route("POST", "/tokenize")
+async def tokenize(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    content = b.str("content", required=True)
+    model = await st.manager.get(b.str("model"))
+    eng = model.engine
+    ids = eng.backend.tokenize(content, add_special=b.bool("add_special", False), parse_special=b.bool("parse_special", True))
+    if not b.bool("with_pieces", False):
+        return JSONResponse({"tokens": ids})
+    pieces = []
+    for t in ids:
+        raw = eng.backend.token_bytes(t) or eng.backend.token_text(t).encode()
+        try:
+            pieces.append({"id": t, "piece": raw.decode("utf-8")})
+        except UnicodeDecodeError:  # part of a multi-byte character: llama-server sends the bytes
+            pieces.append({"id": t, "piece": list(raw)})
+    return JSONResponse({"tokens": pieces})
+
+
+@route("POST", "/detokenize")
+async def detokenize(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    ids = b.list("tokens", required=True)
+    model = await st.manager.get(b.str("model"))
+    n_vocab = model.engine.info.n_vocab
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n_vocab:
+            raise BadRequestError(f"'tokens[{i}]' must be a token id in 0..{n_vocab - 1}")
+    return JSONResponse({"content": model.engine.detokenize(ids)})
+
+
+@route("GET", "/health")
+async def health(request: Request):
+    return JSONResponse({"status": "ok"})
+
+
+@route("GET", "/props")
+async def props(request: Request):
+    st = state(request)
+    model = await st.manager.get(None)
+    eng = model.engine
+    return JSONResponse(
+        {
+            "default_generation_settings": {"n_ctx": eng.n_ctx, "params": {"n_predict": -1}},
+            "total_slots": eng.backend.n_seq,
+            "model_path": model.path,
+            "model_alias": model.name,
+            "chat_template": eng.chat_template,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"localrun {st.version}",
+        }
+    )
+
+
+@route("GET", "/slots")
+async def slots(request: Request):
+    st = state(request)
+    out = []
+    for model in st.manager.loaded.values():
+        out.extend(dict(s, model=model.name) for s in model.scheduler.slots())
+    return JSONResponse(out)
+
+
+METRICS = (
+    ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", lambda s, p, d: s.prompt_tokens),
+    ("prompt_seconds_total", "counter", "Prompt process time.", lambda s, p, d: s.prompt_seconds),
+    ("tokens_predicted_total", "counter", "Number of generation tokens processed.", lambda s, p, d: s.predicted_tokens),
+    ("tokens_predicted_seconds_total", "counter", "Predict process time.", lambda s, p, d: s.predicted_seconds),
+    ("n_decode_total", "counter", "Total number of llama_decode() calls.", lambda s, p, d: s.decode_calls),
+    ("requests_processing", "gauge", "Number of requests processing.", lambda s, p, d: p),
+    ("requests_deferred", "gauge", "Number of requests deferred.", lambda s, p, d: d),
+)
+
+
+@route("GET", "/metrics")
+async def metrics(request: Request):
+    st = state(request)
+    lines = []
+    for name, kind, text, read in METRICS:
+        lines += [f"# HELP llamacpp:{name} {text}", f"# TYPE llamacpp:{name} {kind}"]
+        for model in st.manager.loaded.values():
+            processing, deferred = model.scheduler.counts()
+            value = read(model.scheduler.stats, processing, deferred)
+            lines.append(f'llamacpp:{name}{{model="{model.name}"}} {value}')
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -1,0 +1,176 @@
+"""Which models the server has loaded, loading on first request and unloading after an
+idle `keep_alive` (Ollama's semantics: a duration, seconds, 0 = unload when done,
+negative = keep loaded)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..engine import Engine
+from ..errors import BadRequestError, LocalrunError, ModelNotFoundError
+from .scheduler import Scheduler
+
+DEFAULT_KEEP_ALIVE = 300.0
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value) -> float | None:
+    """Seconds to stay loaded after the last request; None = forever. Accepts what
+    Ollama does: a number of seconds, or a Go duration such as "5m", "1h30m", "-1"."""
+    if value is None:
+        return DEFAULT_KEEP_ALIVE
+    if isinstance(value, bool):
+        raise BadRequestError(f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = re.findall(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", text)
+            if not parts or "".join(n + u for n, u in parts) != text:
+                raise BadRequestError(
+                    f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}"
+                ) from None
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    else:
+        raise BadRequestError(f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}")
+    return None if seconds < 0 else seconds
+
+
+def display_name(path: str) -> str:
+    """The name a model is listed under when it was given as a path: the file or folder name."""
+    p = Path(path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+@dataclass
+class Loaded:
+    name: str
+    path: str
+    engine: Engine
+    scheduler: Scheduler
+    keep_alive: float | None
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def expires_at(self) -> float | None:
+        """Wall-clock time of unloading, None when kept loaded."""
+        if self.keep_alive is None:
+            return None
+        return time.time() + max(0.0, self.keep_alive - (time.monotonic() - self.last_used))
+
+
+class ModelManager:
+    def __init__(
+        self,
+        models: list[str],
+        n_ctx: int | None,
+        parallel: int,
+        threads: int | None,
+        max_queue: int,
+        keep_alive: float | None = DEFAULT_KEEP_ALIVE,
+    ) -> None:
+        self.configured = {display_name(m): m for m in models}  # name -> path or store name
+        self.default = display_name(models[0]) if models else None
+        self.n_ctx, self.parallel, self.threads, self.max_queue = n_ctx, parallel, threads, max_queue
+        self.keep_alive = keep_alive
+        self.loaded: dict[str, Loaded] = {}
+        self._lock = asyncio.Lock()
+
+    def resolve(self, name: str | None) -> tuple[str, str]:
+        """(display name, path) for a request's model field; the default model when empty."""
+        if not name:
+            if self.default is None:
+                raise BadRequestError("no model named: pass 'model' in the request, or start the server with --model")
+            name = self.default
+        for candidate in (name, name.removesuffix(":latest")):
+            if candidate in self.configured:
+                return candidate, self.configured[candidate]
+            if candidate in self.loaded:
+                return candidate, self.loaded[candidate].path
+        return name, _resolve_path(name)
+
+    async def get(self, name: str | None, keep_alive=None) -> Loaded:
+        display, path = self.resolve(name)
+        ttl = self.keep_alive if keep_alive is None else parse_keep_alive(keep_alive)
+        async with self._lock:
+            model = self.loaded.get(display)
+            if model is None:
+                engine = await asyncio.to_thread(
+                    Engine.open, path, n_ctx=self.n_ctx, n_seq=self.parallel, threads=self.threads
+                )
+                model = Loaded(display, path, engine, Scheduler(engine, self.max_queue, display), ttl)
+                self.loaded[display] = model
+            model.keep_alive = ttl
+            model.last_used = time.monotonic()
+            return model
+
+    def touch(self, model: Loaded) -> None:
+        model.last_used = time.monotonic()
+
+    async def unload(self, name: str) -> None:
+        async with self._lock:
+            model = self.loaded.pop(name, None)
+        if model is not None:
+            await asyncio.to_thread(_shutdown, model)
+
+    async def reap(self) -> None:
+        """Unload every idle model whose keep_alive has run out."""
+        now = time.monotonic()
+        for model in list(self.loaded.values()):
+            if model.keep_alive is None or model.scheduler.busy:
+                continue
+            if now - model.last_used >= model.keep_alive:
+                await self.unload(model.name)
+
+    async def close(self) -> None:
+        for name in list(self.loaded):
+            await self.unload(name)
+
+    def available(self) -> list[tuple[str, str]]:
+        """(name, path) of every model a request may name: configured, loaded, and stored."""
+        out = dict(self.configured)
+        for name, model in self.loaded.items():
+            out.setdefault(name, model.path)
+        for name, path in _stored_models():
+            out.setdefault(name, path)
+        return list(out.items())
+
+
+def _shutdown(model: Loaded) -> None:
+    model.scheduler.stop()
+    model.engine.close()
+
+
+def _resolve_path(name: str) -> str:
+    """A path, or a store name once the store exists."""
+    if Path(name).exists():
+        return name
+    try:
+        from .. import store
+    except ImportError:
+        raise ModelNotFoundError(f"model {name!r} not found: start the server with --model PATH") from None
+    try:
+        return str(store.resolve_model(name))
+    except LocalrunError:
+        raise
+    except Exception as exc:  # an unreadable store must not take the server down
+        raise ModelNotFoundError(f"model {name!r} not found ({exc})") from exc
+
+
+def _stored_models() -> list[tuple[str, str]]:
+    try:
+        from .. import store
+    except ImportError:
+        return []
+    try:
+        return [(m.name, str(m.path)) for m in store.list_models()]
+    except Exception:  # listing is best effort: a broken store still lets --model models show
+        return []

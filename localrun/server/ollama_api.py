@@ -1,0 +1,220 @@
+"""The Ollama dialect: /api/chat, /api/generate (suffix = fill-in-the-middle, raw,
+format, options, keep_alive), /api/tags, /api/show, /api/ps, /api/version, /api/embed.
+Streams are NDJSON (streaming is Ollama's default) ending in an object with
+`done: true` and Ollama's timing fields, in nanoseconds."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..errors import BadRequestError
+from ..grammar import Grammar
+from .describe import describe
+from .fields import Body, messages, sampling_params
+from .fim import fim_tokens
+from .http import ndjson, stream
+from .runner import collect, events, submit
+from .state import embed_inputs, route, state
+
+OLLAMA_VERSION = "0.12.0"  # the API generation these routes follow
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _options(b: Body) -> dict:
+    opts = b.obj("options")
+    predict = opts.int("num_predict")
+    # Ollama: -1 = no limit, -2 = fill the context; both mean "to the end of the context" here
+    max_tokens = None if predict is None or predict < 0 else predict
+    fmt = b.get("format")
+    if fmt is None or fmt == "":
+        grammar = None
+    elif fmt == "json":
+        grammar = Grammar.json_object()
+    elif isinstance(fmt, dict):
+        grammar = Grammar.from_json_schema(fmt)
+    else:
+        raise BadRequestError(f"'format' must be \"json\" or a JSON schema object, got {fmt!r}")
+    return {
+        "sampling": sampling_params(opts),
+        "max_tokens": max_tokens,
+        "stop": opts.strings("stop"),
+        "grammar": grammar,
+        "lookup": opts.bool("lookup", True),
+    }
+
+
+def _final(t, load_ns: int, started: float) -> dict:
+    return {
+        "total_duration": int((time.perf_counter() - started) * 1e9),
+        "load_duration": load_ns,
+        "prompt_eval_count": t.prompt_tokens,
+        "prompt_eval_duration": int(t.prefill_ms * 1e6),
+        "eval_count": t.generated_tokens,
+        "eval_duration": int(t.decode_ms * 1e6),
+    }
+
+
+def _done_reason(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
+    """Ollama loads (or, with keep_alive 0, unloads) a model on a request without input."""
+    keep = b.get("keep_alive")
+    if keep is not None and str(keep).strip() in ("0", "0s", "0m"):
+        display, _ = st.manager.resolve(name)
+        await st.manager.unload(display)
+        return JSONResponse({"model": name, "created_at": _now(), key: empty, "done": True, "done_reason": "unload"})
+    await st.manager.get(name, keep)
+    return JSONResponse({"model": name, "created_at": _now(), key: empty, "done": True, "done_reason": "load"})
+
+
+async def _answer(request: Request, model, job, b: Body, name: str, shape, load_ns: int, started: float, tokens):
+    """Stream (default) or one object; `shape(text)` wraps a piece of output."""
+    if b.bool("stream", True):
+
+        async def body():
+            try:
+                async for ev in events(model, job):
+                    if ev.text:
+                        yield ndjson({"model": name, "created_at": _now(), **shape(ev.text), "done": False})
+                    if ev.finish_reason:
+                        final = {"model": name, "created_at": _now(), **shape(""), "done": True,
+                                 "done_reason": _done_reason(ev.finish_reason), **_final(ev.timings, load_ns, started)}
+                        if tokens is not None:
+                            final["context"] = tokens + job.gen.output
+                        yield ndjson(final)
+            except Exception as exc:  # the stream has begun: report in-band
+                yield ndjson({"error": str(exc)})
+
+        return stream(request, body(), "application/x-ndjson", lambda: model.scheduler.cancel(job))
+    res = await collect(request, model, job)
+    out = {"model": name, "created_at": _now(), **shape(res.text), "done": True,
+           "done_reason": _done_reason(res.finish_reason), **_final(res.timings, load_ns, started)}
+    if tokens is not None:
+        out["context"] = tokens + res.tokens
+    return JSONResponse(out)
+
+
+async def _model(st, b: Body):
+    name = b.str("model") or b.str("name")
+    if not name:
+        raise BadRequestError("'model' is required")
+    t0 = time.perf_counter()
+    loaded_before = st.manager.resolve(name)[0] in st.manager.loaded
+    model = await st.manager.get(name, b.get("keep_alive"))
+    return name, model, 0 if loaded_before else int((time.perf_counter() - t0) * 1e9)
+
+
+@route("POST", "/api/chat")
+async def chat(request: Request):
+    st = state(request)
+    started = time.perf_counter()
+    b = await st.body(request)
+    name = b.str("model") or b.str("name")
+    if not b.list("messages"):
+        return await _load_only(st, b, name or "", "message", {"role": "assistant", "content": ""})
+    msgs = messages(b)
+    options = _options(b)
+    name, model, load_ns = await _model(st, b)
+    tokens = model.engine.chat_prompt(msgs)
+    job = submit(model, tokens, options)
+    return await _answer(request, model, job, b, name,
+                         lambda text: {"message": {"role": "assistant", "content": text}}, load_ns, started, None)
+
+
+@route("POST", "/api/generate")
+async def generate(request: Request):
+    st = state(request)
+    started = time.perf_counter()
+    b = await st.body(request)
+    prompt, suffix, system = b.str("prompt", ""), b.str("suffix"), b.str("system")
+    if b.get("images"):
+        raise BadRequestError("'images': this server reads text only")
+    if not prompt and not suffix:
+        return await _load_only(st, b, b.str("model") or b.str("name") or "", "response", "")
+    options = _options(b)
+    context = b.list("context") or []
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
+        raise BadRequestError("'context' must be a list of token ids")
+    name, model, load_ns = await _model(st, b)
+    eng = model.engine
+    if suffix is not None:
+        tokens = fim_tokens(eng, prompt, suffix, name=name)
+    elif b.bool("raw", False):
+        tokens = context + eng.tokenize(prompt, add_special=not context)
+    else:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        tokens = context + eng.chat_prompt(msgs)
+    job = submit(model, tokens, options)
+    return await _answer(request, model, job, b, name, lambda text: {"response": text}, load_ns, started, tokens)
+
+
+@route("GET", "/api/tags")
+async def tags(request: Request):
+    st = state(request)
+    out = []
+    for name, path in st.manager.available():
+        try:
+            d = describe(name, path)
+        except Exception:  # an unreadable file is left out of the list, not a failed listing
+            continue
+        out.append({"name": name, "model": name, "modified_at": d.modified_at, "size": d.size_bytes,
+                    "digest": d.digest, "details": d.details()})
+    return JSONResponse({"models": out})
+
+
+@route("POST", "/api/show")
+async def show(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    name = b.str("model") or b.str("name")
+    if not name:
+        raise BadRequestError("'model' is required")
+    display, path = st.manager.resolve(name)
+    loaded = st.manager.loaded.get(display)
+    d = describe(name, path, loaded.engine if loaded else None)
+    arch = d.architecture
+    info = {"general.architecture": arch, "general.parameter_count": d.n_params,
+            f"{arch}.context_length": d.context_length, f"{arch}.embedding_length": d.embedding_length}
+    return JSONResponse(
+        {"modelfile": f"FROM {path}\n", "parameters": "", "template": d.chat_template or "",
+         "details": d.details(), "model_info": info, "capabilities": d.capabilities(), "modified_at": d.modified_at}
+    )
+
+
+@route("GET", "/api/ps")
+async def ps(request: Request):
+    st = state(request)
+    out = []
+    for name, model in st.manager.loaded.items():
+        d = describe(name, model.path, model.engine)
+        expires = model.expires_at
+        until = datetime.fromtimestamp(expires if expires is not None else 253402300799, timezone.utc)
+        out.append({"name": name, "model": name, "size": d.size_bytes, "digest": d.digest, "details": d.details(),
+                    "expires_at": until.isoformat().replace("+00:00", "Z"), "size_vram": 0,
+                    "context_length": model.engine.n_ctx})
+    return JSONResponse({"models": out})
+
+
+@route("GET", "/api/version")
+async def version(request: Request):
+    return JSONResponse({"version": OLLAMA_VERSION, "localrun": state(request).version})
+
+
+@route("POST", "/api/embed")
+async def embed(request: Request):
+    st = state(request)
+    started = time.perf_counter()
+    b = await st.body(request)
+    name, model, load_ns = await _model(st, b)
+    vectors, n_tokens = await embed_inputs(model, b, "input")
+    return JSONResponse({"model": name, "embeddings": vectors, "total_duration": int((time.perf_counter() - started) * 1e9),
+                         "load_duration": load_ns, "prompt_eval_count": n_tokens})

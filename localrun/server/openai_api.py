@@ -1,0 +1,230 @@
+"""The OpenAI dialect: /v1/chat/completions, /v1/completions (with `suffix` as
+fill-in-the-middle), /v1/models, /v1/embeddings. Streams are SSE ending in
+`data: [DONE]`; errors use OpenAI's {"error": {...}} body. Every llama-server sampling
+field is accepted too, as llama-server's own /v1 routes do."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import numpy as np
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..errors import BadRequestError
+from .fields import Body, grammar_from, messages, sampling_params
+from .fim import fim_tokens
+from .http import sse, stream
+from .runner import Result, collect, events, logprob, submit
+from .state import embed_inputs, route, state
+
+
+def _options(b: Body, n_probs: int) -> dict:
+    if b.int("n", 1) != 1:
+        raise BadRequestError("'n' must be 1: this server returns one choice per request")
+    max_tokens = b.int("max_completion_tokens", lo=0)
+    if max_tokens is None:
+        max_tokens = b.int("max_tokens", lo=0)
+    return {
+        "sampling": sampling_params(b, n_probs=n_probs),
+        "max_tokens": max_tokens,
+        "stop": b.strings("stop"),
+        "grammar": grammar_from(b),
+        "lookup": b.bool("lookup", True),
+    }
+
+
+def _usage(t) -> dict:
+    return {
+        "prompt_tokens": t.prompt_tokens,
+        "completion_tokens": t.generated_tokens,
+        "total_tokens": t.prompt_tokens + t.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
+    }
+
+
+def _finish(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def _piece(engine, tok: int) -> str:
+    return engine.backend.token_bytes(tok).decode("utf-8", errors="replace")
+
+
+def _chat_logprobs(engine, tokens, chosen, tops, n_top: int) -> dict:
+    content = []
+    for tok, p, top in zip(tokens, chosen, tops):
+        content.append(
+            {
+                "token": _piece(engine, tok),
+                "logprob": logprob(p),
+                "bytes": list(engine.backend.token_bytes(tok)),
+                "top_logprobs": [
+                    {"token": _piece(engine, t), "logprob": logprob(q), "bytes": list(engine.backend.token_bytes(t))}
+                    for t, q in top[:n_top]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _text_logprobs(engine, tokens, chosen, tops, n_top: int, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, p, top in zip(tokens, chosen, tops):
+        piece = _piece(engine, tok)
+        out["tokens"].append(piece)
+        out["token_logprobs"].append(logprob(p))
+        out["top_logprobs"].append({_piece(engine, t): logprob(q) for t, q in top[:n_top]})
+        out["text_offset"].append(offset)
+        offset += len(piece)
+    return out
+
+
+@route("POST", "/v1/chat/completions")
+async def chat_completions(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    want_lp = b.bool("logprobs", False)
+    n_top = b.int("top_logprobs", 0, lo=0) if want_lp else 0
+    options = _options(b, max(n_top, 1) if want_lp else 0)
+    msgs = messages(b)
+    model = await st.manager.get(b.str("model"), b.get("keep_alive"))
+    tokens = model.engine.chat_prompt(msgs)
+    job = submit(model, tokens, options)
+    cid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model.name
+    eng = model.engine
+
+    def chunk(delta: dict, finish=None, lp=None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]}
+
+    if b.bool("stream", False):
+        include_usage = b.obj("stream_options").bool("include_usage", False)
+
+        async def body():
+            yield sse(chunk({"role": "assistant", "content": ""}))
+            try:
+                async for ev in events(model, job):
+                    lp = _chat_logprobs(eng, ev.tokens, ev.token_probs or [], ev.top_probs or [], n_top) if want_lp else None
+                    if ev.text or lp:
+                        yield sse(chunk({"content": ev.text}, lp=lp))
+                    if ev.finish_reason:
+                        yield sse(chunk({}, _finish(ev.finish_reason)))
+                        if include_usage:
+                            usage = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                     "model": name, "choices": [], "usage": _usage(ev.timings)}
+                            yield sse(usage)
+            except Exception as exc:  # the stream has begun: report in-band
+                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            yield b"data: [DONE]\n\n"
+
+        return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
+    res: Result = await collect(request, model, job)
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": res.text},
+        "logprobs": _chat_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top) if want_lp else None,
+        "finish_reason": _finish(res.finish_reason),
+    }
+    return JSONResponse(
+        {"id": cid, "object": "chat.completion", "created": created, "model": name,
+         "choices": [choice], "usage": _usage(res.timings), "timings": _llama_timings(res.timings)}
+    )
+
+
+@route("POST", "/v1/completions")
+async def completions(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    n_top = b.int("logprobs", 0, lo=0)
+    options = _options(b, n_top)
+    if b.bool("echo", False):
+        raise BadRequestError("'echo' is not supported; send echo: false")
+    prompt = b.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one prompt
+    model = await st.manager.get(b.str("model"), b.get("keep_alive"))
+    eng = model.engine
+    if b.has("suffix"):
+        if not isinstance(prompt, str):
+            raise BadRequestError("'prompt' must be a string when 'suffix' is given")
+        tokens = fim_tokens(eng, prompt, b.str("suffix"))
+    elif isinstance(prompt, str):
+        tokens = eng.tokenize(prompt)
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        tokens = list(prompt)
+    else:
+        raise BadRequestError("'prompt' must be a string or a list of token ids")
+    job = submit(model, tokens, options)
+    cid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model.name
+
+    def chunk(text: str, finish=None, lp=None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+        return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
+
+    if b.bool("stream", False):
+        include_usage = b.obj("stream_options").bool("include_usage", False)
+
+        async def body():
+            offset = 0
+            try:
+                async for ev in events(model, job):
+                    lp = _text_logprobs(eng, ev.tokens, ev.token_probs or [], ev.top_probs or [], n_top, offset) if n_top else None
+                    offset += len(ev.text)
+                    if ev.text or ev.finish_reason or lp:
+                        yield sse(chunk(ev.text, _finish(ev.finish_reason), lp))
+                    if ev.finish_reason and include_usage:
+                        usage = {"id": cid, "object": "text_completion", "created": created, "model": name,
+                                 "choices": [], "usage": _usage(ev.timings)}
+                        yield sse(usage)
+            except Exception as exc:
+                yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+            yield b"data: [DONE]\n\n"
+
+        return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
+    res = await collect(request, model, job)
+    lp = _text_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top, 0) if n_top else None
+    return JSONResponse(
+        {"id": cid, "object": "text_completion", "created": created, "model": name,
+         "choices": [{"index": 0, "text": res.text, "logprobs": lp, "finish_reason": _finish(res.finish_reason)}],
+         "usage": _usage(res.timings), "timings": _llama_timings(res.timings)}
+    )
+
+
+@route("GET", "/v1/models")
+async def list_models(request: Request):
+    st = state(request)
+    now = int(time.time())
+    data = [{"id": name, "object": "model", "created": now, "owned_by": "localrun"} for name, _ in st.manager.available()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@route("POST", "/v1/embeddings")
+async def embeddings(request: Request):
+    st = state(request)
+    b = await st.body(request)
+    encoding = b.str("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise BadRequestError(f"'encoding_format' must be \"float\" or \"base64\", got {encoding!r}")
+    model = await st.manager.get(b.str("model"), b.get("keep_alive"))
+    vectors, n_tokens = await embed_inputs(model, b, "input")
+    if encoding == "base64":  # little-endian float32, as OpenAI's clients decode it
+        vectors = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vectors]
+    data = [{"object": "embedding", "embedding": v, "index": i} for i, v in enumerate(vectors)]
+    return JSONResponse(
+        {"object": "list", "data": data, "model": model.name, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+    )
+
+
+def _llama_timings(t) -> dict:
+    """llama-server adds these to its /v1 answers; some clients show them."""
+    return {
+        "prompt_n": t.prompt_tokens - t.cached_tokens,
+        "prompt_ms": t.prefill_ms,
+        "predicted_n": t.generated_tokens,
+        "predicted_ms": t.decode_ms,
+        "cache_n": t.cached_tokens,
+    }

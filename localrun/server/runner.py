@@ -1,0 +1,78 @@
+"""Between a dialect and the scheduler: queue a job after every check that can refuse
+it (so a refusal is a 400 before any byte is streamed), then read its events."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from starlette.requests import Request
+
+from ..engine import Event, Timings
+from ..errors import BadRequestError
+from .http import until_done_or_disconnect
+from .models import Loaded
+from .scheduler import END, Job
+
+
+def submit(model: Loaded, tokens: list[int], options: dict, t_max_predict_ms: float | None = None) -> Job:
+    max_tokens = options.get("max_tokens")
+    model.engine.check_prompt(tokens, max_tokens)
+    if options.get("grammar") is not None and model.engine.info.eos_id is None and not model.engine.info.stop_ids:
+        raise BadRequestError("this model has no end-of-sequence token, so it cannot follow a grammar")
+    job = Job(tokens, options, asyncio.get_running_loop(), t_max_predict_ms)
+    model.scheduler.submit(job)
+    return job
+
+
+async def events(model: Loaded, job: Job) -> AsyncIterator[Event]:
+    """The job's events as they come; raises what the scheduler posted on failure."""
+    try:
+        while True:
+            item = await job.queue.get()
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            model.last_used = time.monotonic()
+            yield item
+    finally:
+        model.scheduler.cancel(job)  # a no-op for a finished job; frees a slot otherwise
+
+
+@dataclass
+class Result:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    timings: Timings = field(default_factory=Timings)
+    top_probs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_probs: list[float] = field(default_factory=list)
+
+
+async def collect(request: Request, model: Loaded, job: Job) -> Result:
+    """Run the job to its end; a client that hangs up cancels it."""
+
+    async def gather() -> Result:
+        out = Result()
+        parts = []
+        async for ev in events(model, job):
+            parts.append(ev.text)
+            out.tokens.extend(ev.tokens)
+            out.top_probs.extend(ev.top_probs or [])
+            out.token_probs.extend(ev.token_probs or [])
+            if ev.finish_reason:
+                out.finish_reason = ev.finish_reason
+                out.timings = ev.timings or out.timings
+        out.text = "".join(parts)
+        return out
+
+    return await until_done_or_disconnect(request, gather(), lambda: model.scheduler.cancel(job))
+
+
+def logprob(p: float) -> float:
+    return math.log(p) if p > 0 else -9999.0
+

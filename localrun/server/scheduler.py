@@ -1,0 +1,267 @@
+"""Continuous batching: one thread per loaded model drives `Engine.step` over every
+active request.
+
+Requests wait in a bounded queue; between two steps the scheduler admits as many as
+there are free slots (the engine gives each the slot whose KV shares the longest prefix
+with its prompt), drops the ones whose client went away, and then runs ONE backend
+decode for all of them: decoding requests contribute their next token, new ones a chunk
+of their prompt. So a chat and an editor's autocomplete progress together, and a request
+that arrives mid-answer joins at the next step instead of waiting for the answer to end.
+
+Events travel to the asyncio side through `loop.call_soon_threadsafe`; the HTTP
+handler reads them from an asyncio.Queue. A cancelled request frees its slot at the
+next step boundary: a step is one decode (a prefill chunk is bounded by `n_batch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine import Engine, Event, Generation
+from ..errors import LocalrunError
+
+
+class QueueFullError(LocalrunError):
+    http_status = 503
+
+
+END = object()  # the last item a job's queue receives
+
+
+@dataclass
+class Job:
+    tokens: list[int]
+    options: dict  # Engine.start keyword arguments: sampling, max_tokens, stop, lookup, grammar, ...
+    loop: asyncio.AbstractEventLoop
+    t_max_predict_ms: float | None = None
+    id: int = field(default_factory=itertools.count().__next__)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    gen: Generation | None = None
+    _t_first: float | None = None
+
+    def post(self, item) -> None:
+        """Hand an Event, an exception or END to the waiting handler (from any thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class Stats:
+    """Counters for /metrics (llama-server's names) and /slots."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    predicted_tokens: int = 0
+    predicted_seconds: float = 0.0
+    decode_calls: int = 0
+    requests_done: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_queue: int = 64, name: str = "") -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.stats = Stats()
+        self._waiting: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._calls: deque[tuple] = deque()  # work that must run on the engine's thread
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"localrun-scheduler {name}", daemon=True)
+        self._thread.start()
+
+    # -- the asyncio side ----------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopped:
+                raise QueueFullError("the model is unloading; retry the request")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"the server is busy: {self.max_queue} requests are already queued; retry later")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    async def call(self, fn):
+        """Run fn() on the scheduler thread between two steps (the backends are not
+        thread-safe) and return its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cv:
+            if self._stopped:
+                raise QueueFullError("the model is unloading; retry the request")
+            self._calls.append((fn, future, loop))
+            self._cv.notify()
+        return await future
+
+    def cancel(self, job: Job) -> None:
+        job.cancel()
+        with self._cv:
+            self._cv.notify()
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return bool(self._waiting or self._active)
+
+    def counts(self) -> tuple[int, int]:
+        """(processing, deferred) request counts."""
+        with self._cv:
+            return len(self._active), len(self._waiting)
+
+    def slots(self) -> list[dict]:
+        with self._cv:
+            by_seq = {j.gen.seq: j for j in self._active if j.gen is not None}
+        out = []
+        for seq in range(self.engine.backend.n_seq):
+            job = by_seq.get(seq)
+            out.append(
+                {
+                    "id": seq,
+                    "n_ctx": self.engine.n_ctx,
+                    "is_processing": job is not None,
+                    "id_task": job.id if job else -1,
+                    "n_cached": len(self.engine.backend.kv_tokens(seq)),
+                    "n_decoded": len(job.gen.output) if job else 0,
+                }
+            )
+        return out
+
+    def stop(self) -> None:
+        """Finish: fail whatever waits or runs, end the thread (the engine is closed by the caller)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # -- the scheduler thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self._waiting and not self._active and not self._calls:
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                calls = list(self._calls)
+                self._calls.clear()
+            for fn, future, loop in calls:
+                _settle(future, loop, fn)
+            with self._cv:
+                self._drop_cancelled()
+                self._admit()
+                active = list(self._active)
+            if not active:
+                continue
+            try:
+                self._step(active)
+            except Exception as exc:  # a backend failure ends these requests, not the server
+                traceback.print_exc(file=sys.stderr)
+                with self._cv:
+                    for job in active:
+                        self._end(job, LocalrunError(f"generation failed: {exc}"))
+        with self._cv:
+            for job in list(self._waiting) + self._active:
+                self._end(job, QueueFullError("the model was unloaded; retry the request"))
+            self._waiting.clear()
+            for _, future, loop in self._calls:
+                _settle(future, loop, _unloaded)
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.cancelled.is_set()]:
+            self._waiting.remove(job)
+            job.post(END)
+        for job in [j for j in self._active if j.cancelled.is_set()]:
+            self._end(job, END)
+
+    def _admit(self) -> None:
+        while self._waiting and self.engine.free_slots:
+            job = self._waiting.popleft()
+            try:
+                job.gen = self.engine.start(job.tokens, **job.options)
+            except LocalrunError as exc:
+                job.post(exc)
+                job.post(END)
+                continue
+            if job.gen.done:  # max_tokens 0
+                job.post(Event("", [], job.gen.finish_reason, job.gen.timings))
+                self._end(job, END)
+                continue
+            self._active.append(job)
+
+    def _step(self, active: list[Job]) -> None:
+        gens = [j.gen for j in active]
+        events = self.engine.step(gens)
+        self.stats.decode_calls += 1
+        now = time.perf_counter()
+        with self._cv:
+            for job in active:
+                ev = events.get(job.gen.seq)
+                if ev is None or job not in self._active:
+                    continue
+                if job._t_first is None:
+                    job._t_first = now
+                    self.stats.prompt_tokens += job.gen.timings.prompt_tokens - job.gen.timings.cached_tokens
+                    self.stats.prompt_seconds += job.gen.timings.prefill_ms / 1000
+                elif (
+                    job.t_max_predict_ms is not None
+                    and not job.gen.done
+                    and (now - job._t_first) * 1000 >= job.t_max_predict_ms
+                ):
+                    # llama-server's t_max_predict_ms: an editor's time budget for a completion
+                    job.gen.finish_reason = "length"
+                    ev = Event(ev.text, ev.tokens, "length", job.gen.timings, ev.top_probs, ev.token_probs)
+                job.post(ev)
+                if job.gen.done:
+                    t = job.gen.timings
+                    self.stats.predicted_tokens += t.generated_tokens
+                    self.stats.predicted_seconds += t.decode_ms / 1000
+                    self.stats.requests_done += 1
+                    self._end(job, END)
+
+    def _end(self, job: Job, item) -> None:
+        """Release the job's slot and close its stream (call with the lock held)."""
+        if job in self._active:
+            self._active.remove(job)
+        if job.gen is not None:
+            self.engine.release(job.gen)
+        if item is not END:
+            job.post(item)
+        job.post(END)
+
+
+def _unloaded():
+    raise QueueFullError("the model was unloaded; retry the request")
+
+
+def _settle(future: asyncio.Future, loop: asyncio.AbstractEventLoop, fn) -> None:
+    """Run fn here and hand its result (or error) to the future on its own loop."""
+    try:
+        result, error = fn(), None
+    except Exception as exc:  # delivered to the caller, who maps it to a response
+        result, error = None, exc
+
+    def deliver() -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:  # the loop is gone
+        pass

@@ -1,0 +1,77 @@
+"""What every route shares: the server's state, the route table the dialect modules
+fill, and the wrapper that turns every foreseeable failure into the dialect's error
+body (a bad request never takes the server down, and never answers 5xx)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.routing import Route
+
+from .. import __version__
+from ..errors import BadRequestError, LocalrunError
+from .fields import Body
+from .http import error_response, read_json
+from .models import Loaded, ModelManager
+
+ROUTES: list[Route] = []
+
+
+@dataclass
+class ServerState:
+    manager: ModelManager
+    body_limit: int = 8 * 1024 * 1024
+    started: float = field(default_factory=time.time)
+    version: str = __version__
+
+    async def body(self, request: Request) -> Body:
+        return Body(await read_json(request, self.body_limit))
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.localrun
+
+
+def route(method: str, path: str):
+    """Register a handler; LocalrunError becomes the dialect's error body with its status."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def endpoint(request: Request):
+            try:
+                return await handler(request)
+            except LocalrunError as exc:
+                return error_response(request.url.path, exc.http_status, str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug: say so, keep serving
+                traceback.print_exc(file=sys.stderr)
+                return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
+
+        ROUTES.append(Route(path, endpoint, methods=[method]))
+        return handler
+
+    return wrap
+
+
+async def embed_inputs(model: Loaded, b: Body, key: str) -> tuple[list[list[float]], int]:
+    """Embeddings of a body's string or list of strings (OpenAI `input`, Ollama `input`)."""
+    raw = b.get(key)
+    texts = [raw] if isinstance(raw, str) else raw
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequestError(f"'{key}' must be a string or a non-empty list of strings")
+    eng = model.engine
+    token_lists = [eng.tokenize(t) for t in texts]
+    for i, toks in enumerate(token_lists):
+        if not toks:
+            raise BadRequestError(f"'{key}[{i}]' is empty")
+        if len(toks) > eng.n_ctx:
+            raise BadRequestError(f"'{key}[{i}]' has {len(toks)} tokens; the context holds {eng.n_ctx}")
+    vectors = await model.scheduler.call(lambda: [eng.backend.embed(t).tolist() for t in token_lists])
+    return vectors, sum(len(t) for t in token_lists)

@@ -1,0 +1,264 @@
+"""`localrun serve` against real clients: the official `openai` and `ollama` packages,
+and raw requests shaped like llama.vim's /infill and Continue's /api/show +
+/api/generate. One real server process (SmolLM2, plus a copy with FIM tokens) serves
+the whole module."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from serving import Server, make_fim_copy
+
+GREEDY = {"temperature": 0}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf, tmp_path_factory):
+    fim = make_fim_copy(smollm2_gguf, tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf")
+    srv = Server("--model", str(smollm2_gguf), "--model", str(fim), "--ctx", "1024", "--parallel", "4")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    openai = pytest.importorskip("openai", reason="the openai client is a test extra")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def olm(server):
+    ollama = pytest.importorskip("ollama", reason="the ollama client is a test extra")
+    return ollama.Client(host=server.url)
+
+
+MODEL = "smollm2-135m-instruct-q4_1"
+FIM_MODEL = "smollm2-fim"
+ASK = [{"role": "user", "content": "Name three colours."}]
+
+
+# -- OpenAI ----------------------------------------------------------------------
+
+
+def test_openai_chat_stream_equals_non_stream(oai):
+    full = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0)
+    assert full.choices[0].message.content
+    assert full.usage.completion_tokens == 24 or full.choices[0].finish_reason == "stop"
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_openai_stream_ends_with_done_and_usage(server):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][6:])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] <= 8
+
+
+def test_openai_json_schema(oai):
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Invent a person. Answer in JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_openai_json_object(oai):
+    ask = [{"role": "user", "content": 'Reply with exactly this JSON: {"ok": true}'}]
+    r = oai.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_openai_logprobs_and_seed(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, logprobs=True, top_logprobs=3, seed=7)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens
+    for item in lp:
+        assert len(item.top_logprobs) == 3
+        assert item.logprob <= 0
+        assert item.top_logprobs[0].logprob >= item.logprob - 1e-6  # the best is at least as likely
+    again = oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, logprobs=True, top_logprobs=3, seed=7)
+    assert again.choices[0].message.content == r.choices[0].message.content
+
+
+def test_openai_completions_with_stop(oai):
+    r = oai.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=["7"])
+    assert "7" not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+    assert "5" in r.choices[0].text
+
+
+def test_openai_completions_suffix_needs_fim(oai):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="fill-in-the-middle"):
+        oai.completions.create(model=MODEL, prompt="def f(", suffix="\n", max_tokens=4)
+    r = oai.completions.create(model=FIM_MODEL, prompt="def add(a, b):\n    return ", suffix="\n", max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens > 5
+
+
+def test_openai_models_lists_configured(oai):
+    ids = {m.id for m in oai.models.list().data}
+    assert {MODEL, FIM_MODEL} <= ids
+
+
+def test_openai_error_shape(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "messages" in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_openai_embeddings(oai):
+    r = oai.embeddings.create(model=MODEL, input=["the cat sat", "the cat sat", "quantum chromodynamics"])
+    a, b, c = (d.embedding for d in r.data)
+    assert len(a) == 576 and a == b
+    dot = lambda x, y: sum(p * q for p, q in zip(x, y))  # noqa: E731
+    assert abs(dot(a, a) - 1) < 1e-3  # normalised
+    assert dot(a, c) < 0.999
+
+
+# -- Ollama ----------------------------------------------------------------------
+
+
+def test_ollama_chat_stream(olm):
+    parts = list(olm.chat(model=MODEL, messages=ASK, stream=True, options={"num_predict": 16, **GREEDY}))
+    assert parts[-1].done and parts[-1].eval_count <= 16 and parts[-1].prompt_eval_count > 0
+    assert parts[-1].eval_duration > 0
+    streamed = "".join(p.message.content for p in parts)
+    whole = olm.chat(model=MODEL, messages=ASK, stream=False, options={"num_predict": 16, **GREEDY})
+    assert whole.message.content == streamed
+
+
+def test_ollama_generate_format_schema(olm):
+    r = olm.generate(model=MODEL, prompt="Invent a person.", format=SCHEMA, options={"num_predict": 60, **GREEDY})
+    jsonschema.validate(json.loads(r.response), SCHEMA)
+    assert r.context and r.done_reason in ("stop", "length")
+
+
+def test_ollama_generate_raw(olm):
+    r = olm.generate(model=MODEL, prompt="The capital of France is", raw=True, options={"num_predict": 4, **GREEDY})
+    assert "Paris" in r.response
+
+
+def test_ollama_show_tags_ps_version(olm, server):
+    shown = olm.show(FIM_MODEL)
+    assert "insert" in shown.capabilities and "completion" in shown.capabilities
+    assert shown.modelinfo["llama.context_length"] == 8192
+    assert "insert" not in olm.show(MODEL).capabilities
+    names = {m.model for m in olm.list().models}
+    assert {MODEL, FIM_MODEL} <= names
+    olm.generate(model=MODEL, prompt="hi", options={"num_predict": 1})
+    assert MODEL in {m.model for m in olm.ps().models}
+    assert httpx.get(server.url + "/api/version").json()["version"]
+
+
+def test_ollama_embed(olm):
+    r = olm.embed(model=MODEL, input=["hello", "world"])
+    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == 576
+
+
+def test_ollama_unknown_model_is_404(olm):
+    import ollama
+
+    with pytest.raises(ollama.ResponseError) as info:
+        olm.chat(model="no-such-model", messages=ASK)
+    assert info.value.status_code == 404
+
+
+def test_continue_show_then_generate_with_suffix(server):
+    """Continue's autocomplete: /api/show for the context length, then /api/generate with suffix."""
+    show = httpx.post(server.url + "/api/show", json={"name": FIM_MODEL}, timeout=30).json()
+    assert show["model_info"]["llama.context_length"] > 0
+    body = {"model": FIM_MODEL, "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(1, 2))\n",
+            "stream": False, "raw": True, "options": {"temperature": 0.01, "num_predict": 8, "stop": ["\n\n"]},
+            "keep_alive": 1800}
+    r = httpx.post(server.url + "/api/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["done"]
+    bad = httpx.post(server.url + "/api/generate", json={**body, "model": MODEL}, timeout=60)
+    assert bad.status_code == 400 and "fill-in-the-middle" in bad.json()["error"]
+
+
+# -- llama-server ----------------------------------------------------------------
+
+
+def llama_vim_body(prefix: str, suffix: str) -> dict:
+    """What llama.vim sends for a completion at the cursor."""
+    return {
+        "input_prefix": prefix, "input_suffix": suffix,
+        "input_extra": [{"filename": "util.py", "text": "def helper():\n    return 1\n"}],
+        "prompt": "    ", "n_predict": 16, "n_indent": 4, "top_k": 40, "top_p": 0.99, "stream": False,
+        "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+        "t_max_predict_ms": 1000, "response_fields": ["content", "timings/prompt_n", "tokens_cached"],
+    }
+
+
+def test_llama_vim_infill_and_prefix_cache(server):
+    prefix = "import os\n\n" + "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(40)) + "def main():\n"
+    body = llama_vim_body(prefix, "\n\nif __name__ == '__main__':\n    main()\n")
+    r1 = httpx.post(server.url + "/infill", json={**body, "model": FIM_MODEL}, timeout=60)
+    assert r1.status_code == 200, r1.text
+    first = r1.json()
+    assert first["timings"]["prompt_n"] > 100
+    # the same file again (the editor moved on a line): the shared prefix comes from the slot's KV
+    r2 = httpx.post(server.url + "/infill", json={**body, "model": FIM_MODEL, "prompt": "    x"}, timeout=60).json()
+    assert r2["tokens_cached"] > first["timings"]["prompt_n"] * 0.9
+    assert r2["timings"]["prompt_n"] < 10
+
+
+def test_infill_without_fim_tokens_is_400(server):
+    r = httpx.post(server.url + "/infill", json=llama_vim_body("a", "b"), timeout=30)  # default model: no FIM
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+
+
+def test_completion_stream_and_probs(server):
+    body = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0, "n_probs": 2}
+    whole = httpx.post(server.url + "/completion", json=body, timeout=60).json()
+    assert whole["stop"] and whole["tokens_predicted"] == 6 and whole["stop_type"] == "limit"
+    assert len(whole["completion_probabilities"]) == 6
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert events[-1]["stop"] and events[-1]["timings"]["predicted_n"] == 6
+
+
+def test_tokenize_detokenize_round_trip(server):
+    text = "Hello, world! Ünïcödé"
+    toks = httpx.post(server.url + "/tokenize", json={"content": text}, timeout=30).json()["tokens"]
+    assert toks and all(isinstance(t, int) for t in toks)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": toks}, timeout=30).json()["content"]
+    assert back == text
+    pieces = httpx.post(server.url + "/tokenize", json={"content": "Hi", "with_pieces": True}, timeout=30).json()
+    assert "".join(p["piece"] for p in pieces["tokens"]) == "Hi"
+
+
+def test_health_props_slots_metrics(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    props = httpx.get(server.url + "/props", timeout=30).json()
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 1024
+    slots = httpx.get(server.url + "/slots").json()
+    assert len([s for s in slots if s["model"] == MODEL]) == 4
+    httpx.post(server.url + "/completion", json={"prompt": "Hi", "n_predict": 3}, timeout=60)
+    text = httpx.get(server.url + "/metrics").text
+    assert "# TYPE llamacpp:tokens_predicted_total counter" in text
+    line = next(x for x in text.splitlines() if x.startswith(f'llamacpp:tokens_predicted_total{{model="{MODEL}"}}'))
+    assert float(line.split()[-1]) >= 3
