@@ -38,9 +38,12 @@ def detect_format(path: str | Path) -> str:
 
 
 def open_backend(path: str | Path, **kwargs) -> Backend:
-    """Load a model on the backend its format needs. kwargs: n_ctx, n_seq, n_batch, threads."""
-    fmt = detect_format(path)
-    p = Path(path).expanduser()
+    """Load a model (a path, or a store name such as org/repo:Q4_K_M) on the backend its
+    format needs. kwargs: n_ctx, n_seq, n_batch, threads."""
+    from localrun.store import resolve_model
+
+    p = resolve_model(str(path))
+    fmt = detect_format(p)
     if fmt == "gguf":
         from localrun.gguf_check import check_gguf
 

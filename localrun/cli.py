@@ -94,7 +94,7 @@ def grammar_from_args(args: argparse.Namespace):
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a .gguf file or an MLX model folder")
+    p.add_argument("model", help="a .gguf file, an MLX model folder, or an installed name org/repo[:QUANT]")
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: min(4096, trained))")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--system", default=None, help="system prompt")
@@ -162,7 +162,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # Modules that add their own subcommands (`add_commands(subparsers)`); each imports only
 # argparse at load time, so `localrun --help` stays instant.
-COMMAND_MODULES = ["localrun.quant.cli", "localrun.server.command"]
+COMMAND_MODULES = ["localrun.quant.cli", "localrun.server.command", "localrun.store_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

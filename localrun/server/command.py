@@ -23,8 +23,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadRequestError(f"--ctx must be at least 16 tokens, got {args.ctx}")
     for m in args.model or []:
         _resolve_path(m)  # a wrong --model fails now, not at the first request
+    if args.batch < 16:
+        raise BadRequestError(f"--batch must be at least 16 tokens, got {args.batch}")
     manager = ModelManager(
-        args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive)
+        args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
+        args.batch,
     )
     app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body)
     print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)", file=sys.stderr)
@@ -49,6 +52,9 @@ def add_commands(sub) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--parallel", type=int, default=4, help="requests decoded together per model (default 4)")
     p.add_argument("--ctx", type=int, default=None, help="context size per request (default: min(4096, trained))")
+    p.add_argument("--batch", type=int, default=256,
+                   help="most tokens one step decodes (default 256): smaller lets a cancel or a new request"
+                   " in sooner during a long prompt, larger reads prompts a little faster")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
     p.add_argument("--keep-alive", default="5m", help="unload a model idle this long (Ollama syntax; -1 = never)")

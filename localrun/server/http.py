@@ -171,14 +171,22 @@ async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconn
 
 
 def stream(request: Request, chunks: AsyncIterator[bytes], media_type: str, on_close: Callable[[], None]) -> StreamingResponse:
-    """A streamed body; when the client disconnects (or the stream ends) on_close runs,
-    which cancels the generation and frees its slot."""
+    """A streamed body. on_close (which cancels the generation and frees its slot) runs
+    when the stream ends or the client hangs up, even while nothing is being written:
+    a request still queued or reading its prompt has no bytes to send that would fail."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        on_close()
 
     async def guarded() -> AsyncIterator[bytes]:
+        watcher = asyncio.ensure_future(watch())
         try:
             async for chunk in chunks:
                 yield chunk
         finally:
+            watcher.cancel()
             on_close()
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine import Engine
-from ..errors import BadRequestError, LocalrunError, ModelNotFoundError
+from ..errors import BadRequestError
 from .scheduler import Scheduler
 
 DEFAULT_KEEP_ALIVE = 300.0
@@ -76,11 +76,13 @@ class ModelManager:
         threads: int | None,
         max_queue: int,
         keep_alive: float | None = DEFAULT_KEEP_ALIVE,
+        n_batch: int = 256,
     ) -> None:
         self.configured = {display_name(m): m for m in models}  # name -> path or store name
         self.default = display_name(models[0]) if models else None
         self.n_ctx, self.parallel, self.threads, self.max_queue = n_ctx, parallel, threads, max_queue
         self.keep_alive = keep_alive
+        self.n_batch = n_batch
         self.loaded: dict[str, Loaded] = {}
         self._lock = asyncio.Lock()
 
@@ -104,7 +106,7 @@ class ModelManager:
             model = self.loaded.get(display)
             if model is None:
                 engine = await asyncio.to_thread(
-                    Engine.open, path, n_ctx=self.n_ctx, n_seq=self.parallel, threads=self.threads
+                    Engine.open, path, n_ctx=self.n_ctx, n_seq=self.parallel, threads=self.threads, n_batch=self.n_batch
                 )
                 model = Loaded(display, path, engine, Scheduler(engine, self.max_queue, display), ttl)
                 self.loaded[display] = model
@@ -150,27 +152,16 @@ def _shutdown(model: Loaded) -> None:
 
 
 def _resolve_path(name: str) -> str:
-    """A path, or a store name once the store exists."""
-    if Path(name).exists():
-        return name
-    try:
-        from .. import store
-    except ImportError:
-        raise ModelNotFoundError(f"model {name!r} not found: start the server with --model PATH") from None
-    try:
-        return str(store.resolve_model(name))
-    except LocalrunError:
-        raise
-    except Exception as exc:  # an unreadable store must not take the server down
-        raise ModelNotFoundError(f"model {name!r} not found ({exc})") from exc
+    """A path, or a name in the model store."""
+    from .. import store
+
+    return str(store.resolve_model(name))
 
 
 def _stored_models() -> list[tuple[str, str]]:
-    try:
-        from .. import store
-    except ImportError:
-        return []
+    from .. import store
+
     try:
         return [(m.name, str(m.path)) for m in store.list_models()]
-    except Exception:  # listing is best effort: a broken store still lets --model models show
+    except OSError:  # an unreadable store folder still lets the --model models show
         return []

@@ -1,0 +1,515 @@
+"""`localrun pull`: list a Hugging Face repo, pick a quant, download it safely.
+
+Listing goes through huggingface_hub's HfApi (file names, sizes and the LFS sha256 of
+each file). Downloading is our own, because the Hub client checks only sizes:
+
+- a file downloads to `<models_dir>/.downloads/<org>/<repo>/<file>.part`, beside a
+  small `.json` that records which file (size and sha256) the bytes belong to;
+- an interrupted download (a cut connection, a stall, a killed process) resumes with a
+  Range request from the bytes already on disk; a server that answers a Range request
+  with the whole file (200) is read from the start again;
+- every LFS file is checked against the sha256 the Hub published (other files against
+  their git blob id); a mismatch deletes the bytes and downloads once more, then fails;
+- only verified files are renamed into the store, the first part of a split model last,
+  an MLX folder as a whole: nothing partial ever sits where a finished model belongs.
+
+HF_ENDPOINT is read at each call (huggingface_hub reads it once, at import), so tests
+can point a running process at a local Hub-like server.
+LOCALRUN_DOWNLOAD_TIMEOUT (seconds without a byte before a retry, default 30) and
+LOCALRUN_DOWNLOAD_RETRIES (default 5) tune the downloader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Callable
+from urllib.parse import quote
+
+from localrun.errors import BadRequestError, LocalrunError, ModelNotFoundError
+from localrun.quant.quant_types import SPLIT_SUFFIX, quant_from_filename
+from localrun.store import DOWNLOADS, models_dir, parse_name
+
+CHUNK = 1 << 20
+MLX_FILE_TYPES = (".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja")
+Progress = Callable[[str, int, int], None]  # (file name, bytes done, bytes total)
+
+
+class DownloadError(LocalrunError):
+    exit_code = 4
+
+
+@dataclass(frozen=True)
+class RepoFile:
+    path: str  # relative to the repo root, "/"-separated
+    size: int
+    sha256: str | None  # LFS files
+    git_oid: str | None  # git blob sha1 (files kept in git itself)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One downloadable model in a repo: a GGUF quant (maybe split) or the MLX folder."""
+
+    quant: str
+    format: str  # "gguf" | "mlx"
+    files: tuple[RepoFile, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _env_number(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        raise BadRequestError(f"{name} must be a number, got {os.environ[name]!r}") from None
+
+
+def safe_relpath(name: str) -> PurePosixPath:
+    """A repo file name as a relative path, or an error: no `..`, absolute, drive or UNC paths."""
+    if (not name or "\\" in name or "\x00" in name or name.startswith("/")
+            or (len(name) > 1 and name[1] == ":")):
+        raise DownloadError(f"refusing the repo file name {name!r}: it is not a plain relative path")
+    parts = name.split("/")  # split by hand: PurePosixPath would quietly drop "." and empty parts
+    if any(part in ("", ".", "..") for part in parts) or ":" in parts[0]:
+        raise DownloadError(f"refusing the repo file name {name!r}: it leaves the model folder")
+    return PurePosixPath(*parts)
+
+
+# -- listing ------------------------------------------------------------------------
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """Connection failures of the HTTP client huggingface_hub uses (httpx, or httpx2 in 2.x)."""
+    import httpx
+
+    errors: list[type[Exception]] = [httpx.TransportError, OSError]
+    try:
+        import httpx2
+
+        errors.append(httpx2.TransportError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def list_repo(repo: str, revision: str | None = None) -> tuple[str, list[RepoFile]]:
+    """(commit sha, files) of a model repo, with sizes and hashes."""
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        info = HfApi(endpoint=endpoint()).model_info(repo, revision=revision, files_metadata=True)
+    except hf_errors.GatedRepoError:
+        raise DownloadError(f"{repo} is gated: accept its terms on the Hub, then log in with `hf auth login`") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise ModelNotFoundError(f"no model repo {repo} on {endpoint()} (or it is private); check the name") from None
+    except hf_errors.RevisionNotFoundError:
+        raise ModelNotFoundError(f"{repo} has no revision {revision}") from None
+    except hf_errors.HfHubHTTPError as exc:
+        raise DownloadError(f"the Hub refused to list {repo}: {str(exc).splitlines()[0]}") from None
+    except _transport_errors() as exc:
+        raise DownloadError(f"cannot reach {endpoint()}: {exc}; check the connection or HF_ENDPOINT") from None
+    files = [RepoFile(s.rfilename, int(s.size or (s.lfs.size if s.lfs else 0) or 0),
+                      s.lfs.sha256 if s.lfs else None, None if s.lfs else s.blob_id)
+             for s in info.siblings or []]
+    return str(info.sha or revision or "main"), files
+
+
+def variants(files: list[RepoFile]) -> list[Variant]:
+    """The GGUF quants of a repo (split parts grouped), or its MLX model."""
+    groups: dict[str, list[RepoFile]] = {}
+    for f in files:
+        base = f.path.rsplit("/", 1)[-1]
+        if not base.lower().endswith(".gguf") or base.lower().startswith("mmproj"):
+            continue
+        quant = quant_from_filename(f.path) or SPLIT_SUFFIX.sub("", base).removesuffix(".gguf")
+        groups.setdefault(quant, []).append(f)
+    out = []
+    for quant, group in groups.items():
+        group.sort(key=lambda f: f.path)
+        m = SPLIT_SUFFIX.search(group[0].path)
+        if m and len(group) != int(m.group(2)):
+            continue  # a split set with parts missing from the repo cannot load
+        if not m and len(group) > 1:  # two files of one quant ("x-Q4_K_M.gguf", "x-Q4_K_M-v2.gguf"): the plainest
+            group = [min(group, key=lambda f: (len(f.path), f.path))]
+        out.append(Variant(quant, "gguf", tuple(group)))
+    names = {f.path for f in files}
+    if "config.json" in names and any(n.endswith(".safetensors") and "/" not in n for n in names):
+        keep = tuple(f for f in files if "/" not in f.path and f.path.endswith(MLX_FILE_TYPES))
+        out.append(Variant("mlx", "mlx", keep))
+    return out
+
+
+# -- reading a remote GGUF header --------------------------------------------------
+
+
+class _NeedMore(Exception):
+    pass
+
+
+def parse_gguf_prefix(buf: bytes):
+    """(metadata, tensor infos) from the first bytes of a GGUF file; _NeedMore when short."""
+    import struct
+
+    from gguf import GGML_QUANT_SIZES
+
+    from localrun.gguf_check import ArrayInfo, TensorInfo
+
+    pos = 0
+    fixed = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+    def take(fmt: str):
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        if pos + size > len(buf):
+            raise _NeedMore
+        (v,) = struct.unpack_from(fmt, buf, pos)
+        pos += size
+        return v
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        if pos + n > len(buf):
+            raise _NeedMore
+        pos += n
+        return buf[pos - n:pos].decode("utf-8", errors="replace")
+
+    def value(t: int):
+        nonlocal pos
+        if t == 8:
+            return string()
+        if t == 9:
+            et, count = take("<I"), take("<Q")
+            if et in fixed and count >= 64:
+                pos += count * struct.calcsize(fixed[et])
+                if pos > len(buf):
+                    raise _NeedMore
+                return ArrayInfo(et, count)
+            if count < 64:
+                return [value(et) for _ in range(count)]
+            for _ in range(count):  # a vocabulary: skip the strings without decoding them
+                if et != 8:
+                    value(et)
+                    continue
+                n = take("<Q")
+                pos += n
+                if pos > len(buf):
+                    raise _NeedMore
+            return ArrayInfo(et, count)
+        if t not in fixed:
+            raise DownloadError(f"the remote GGUF header has an unknown value type {t}")
+        return take(fixed[t])
+
+    if buf[:4] != b"GGUF":
+        raise DownloadError("the remote file does not start with the GGUF magic")
+    pos = 4
+    take("<I")
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = string()
+        metadata[key] = value(take("<I"))
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = tuple(take("<Q") for _ in range(take("<I")))
+        gtype, offset = take("<I"), take("<Q")
+        block, type_size = GGML_QUANT_SIZES.get(gtype, (1, 0))  # keys are an IntEnum: ints match
+        n = 1
+        for d in dims:
+            n *= d
+        tensors.append(TensorInfo(name, dims, gtype, offset, n // block * type_size))
+    return metadata, tensors
+
+
+def remote_shape(repo: str, revision: str, f: RepoFile):
+    """The selector's ModelShape of a remote GGUF, from its header alone (Range requests)."""
+    import httpx
+    from huggingface_hub.utils import build_hf_headers
+
+    from localrun.quant.selector import shape_from_gguf
+
+    url = file_url(repo, revision, f.path)
+    want = 4 << 20
+    while True:
+        buf = bytearray()
+        try:
+            with httpx.stream("GET", url, headers={**build_hf_headers(), "Range": f"bytes=0-{want - 1}"},
+                              follow_redirects=True, timeout=_env_number("LOCALRUN_DOWNLOAD_TIMEOUT", 30)) as r:
+                if r.status_code not in (200, 206):
+                    raise DownloadError(f"cannot read the header of {f.path}: HTTP {r.status_code}")
+                for chunk in r.iter_bytes(CHUNK):
+                    buf += chunk
+                    if len(buf) >= want:
+                        break  # a server that ignored the Range: stop reading the whole file
+        except httpx.HTTPError as exc:
+            raise DownloadError(f"cannot read the header of {f.path}: {exc}") from None
+        try:
+            metadata, tensors = parse_gguf_prefix(bytes(buf[:want]))
+            return shape_from_gguf(metadata, tensors)
+        except _NeedMore:
+            if want >= f.size or want >= 256 << 20:
+                raise DownloadError(f"the GGUF header of {f.path} is truncated or larger than 256 MB") from None
+            want *= 4
+
+
+# -- downloading --------------------------------------------------------------------
+
+
+def file_url(repo: str, revision: str, path: str) -> str:
+    return f"{endpoint()}/{repo}/resolve/{quote(revision, safe='')}/{quote(path)}"
+
+
+class _Retry(Exception):
+    """A transient failure: resume from the bytes on disk."""
+
+
+def _hash_existing(part: Path, hasher) -> int:
+    n = 0
+    with open(part, "rb") as f:
+        while chunk := f.read(CHUNK):
+            hasher.update(chunk)
+            n += len(chunk)
+    return n
+
+
+def _new_hasher(f: RepoFile):
+    if f.sha256:
+        return hashlib.sha256()
+    h = hashlib.sha1()
+    h.update(f"blob {f.size}\0".encode())  # git's blob id: sha1 of this header + content
+    return h
+
+
+def _fetch(client, url: str, part: Path, f: RepoFile, hasher, progress: Progress | None):
+    """Append the missing bytes of `f` to `part`. Returns the hasher (new if restarted)."""
+    import httpx
+
+    have = part.stat().st_size if part.exists() else 0
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    try:
+        with client.stream("GET", url, headers=headers) as r:
+            if r.status_code in (404, 401, 403):
+                raise DownloadError(f"{f.path}: HTTP {r.status_code} from {endpoint()}")
+            if r.status_code == 416 or r.status_code >= 500 or r.status_code == 429:
+                raise _Retry(f"HTTP {r.status_code}")
+            if r.status_code == 206:
+                start = r.headers.get("content-range", "").removeprefix("bytes ").split("-", 1)[0]
+                if start != str(have):
+                    raise _Retry(f"asked for bytes from {have}, got {r.headers.get('content-range')!r}")
+            elif r.status_code == 200:
+                if have:  # the server ignored our Range: the body is the whole file
+                    have, hasher = 0, _new_hasher(f)
+            else:
+                raise DownloadError(f"{f.path}: unexpected HTTP {r.status_code} from {endpoint()}")
+            with open(part, "r+b" if part.exists() else "wb") as out:
+                out.seek(have)
+                out.truncate()
+                for chunk in r.iter_bytes(CHUNK):
+                    if have + len(chunk) > f.size:
+                        out.truncate(0)
+                        raise _Retry(f"the server sent more than the {f.size} bytes of {f.path}")
+                    out.write(chunk)
+                    hasher.update(chunk)
+                    have += len(chunk)
+                    if progress:
+                        progress(f.path, have, f.size)
+                out.flush()
+                os.fsync(out.fileno())
+    except httpx.HTTPError as exc:  # connection cut, stall (read timeout), refused
+        raise _Retry(f"{type(exc).__name__}: {exc}") from None
+    if have < f.size:
+        raise _Retry(f"connection closed at {have} of {f.size} bytes")
+    return hasher
+
+
+def download_file(repo: str, revision: str, f: RepoFile, part: Path, progress: Progress | None = None) -> Path:
+    """Download (or resume) one repo file into `part` and verify it; returns `part`."""
+    import httpx
+    from huggingface_hub.utils import build_hf_headers
+
+    part.parent.mkdir(parents=True, exist_ok=True)
+    meta = part.with_name(part.name + ".json")
+    expected = {"path": f.path, "size": f.size, "sha256": f.sha256, "git_oid": f.git_oid}
+    try:
+        if json.loads(meta.read_text()) != expected:
+            part.unlink(missing_ok=True)  # bytes of another version of the file
+    except (OSError, ValueError):
+        part.unlink(missing_ok=True)
+    meta.write_text(json.dumps(expected))
+    retries = int(_env_number("LOCALRUN_DOWNLOAD_RETRIES", 5))
+    stall = _env_number("LOCALRUN_DOWNLOAD_TIMEOUT", 30)
+    url = file_url(repo, revision, f.path)
+    failures, mismatches = 0, 0
+    timeout = httpx.Timeout(stall, connect=min(stall, 30))
+    with httpx.Client(headers=build_hf_headers(), follow_redirects=True, timeout=timeout) as client:
+        while True:
+            hasher = _new_hasher(f)
+            if part.exists() and part.stat().st_size > f.size:
+                part.unlink()
+            have = _hash_existing(part, hasher) if part.exists() else 0
+            if have < f.size:
+                try:
+                    hasher = _fetch(client, url, part, f, hasher, progress)
+                except _Retry as why:
+                    gained = (part.stat().st_size if part.exists() else 0) > have
+                    failures = 0 if gained else failures + 1
+                    if failures > retries:
+                        raise DownloadError(f"downloading {f.path} failed {retries + 1} times in a row ({why});"
+                                            " run the same pull again to resume") from None
+                    time.sleep(min(0.1 * 2 ** failures, 5.0))
+                    continue
+            want = f.sha256 or f.git_oid
+            if want and hasher.hexdigest() != want.lower():
+                part.unlink()
+                mismatches += 1
+                if mismatches > 1:
+                    raise DownloadError(f"{f.path} arrived corrupt twice (sha256 {hasher.hexdigest()[:16]}..., "
+                                        f"expected {want[:16]}...); nothing was installed")
+                continue
+            return part
+
+
+def _lock(folder: Path):
+    """An exclusive lock on a repo's download folder; None where locking is unavailable."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fh = open(folder / ".lock", "w")
+    try:
+        import fcntl
+
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # Windows: no flock; concurrent pulls of one repo are the user's risk
+        pass
+    except OSError:
+        fh.close()
+        raise DownloadError(f"another `localrun pull` is downloading into {folder}; wait for it") from None
+    return fh
+
+
+def install(repo: str, revision: str, variant: Variant, progress: Progress | None = None) -> Path:
+    """Download a variant into the store; returns the model path (first GGUF part or MLX folder)."""
+    org, name = repo.split("/", 1)
+    final_repo = models_dir() / org / name
+    staging = models_dir() / DOWNLOADS / org / name
+    rels = [safe_relpath(f.path) for f in variant.files]  # refuse bad names before any byte is written
+    if variant.format == "gguf":
+        targets = [final_repo.joinpath(*r.parts) for r in rels]
+        if all(t.exists() and t.stat().st_size == f.size for t, f in zip(targets, variant.files)):
+            return targets[0]
+    elif _is_complete_mlx(final_repo, variant):
+        return final_repo
+    lock = _lock(staging)
+    try:
+        parts = []
+        for f, rel in zip(variant.files, rels):
+            part = staging.joinpath(*rel.parts)
+            part = part.with_name(part.name + ".part")
+            parts.append(download_file(repo, revision, f, part, progress))
+        if variant.format == "gguf":
+            for part, target in reversed(list(zip(parts, targets))):  # the first part appears last
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(part, target)
+            return targets[0]
+        folder = staging.with_name(name + ".mlx-staging")
+        folder.mkdir(parents=True, exist_ok=True)
+        for part, rel in zip(parts, rels):
+            os.replace(part, folder / rel.name)
+        if final_repo.exists():
+            if any(final_repo.iterdir()):
+                raise DownloadError(f"{final_repo} exists and is not this MLX model; remove it first")
+            final_repo.rmdir()
+        final_repo.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(folder, final_repo)  # the whole folder appears at once
+        return final_repo
+    finally:
+        for meta in staging.rglob("*.part.json"):
+            if not meta.with_name(meta.name[: -len(".json")]).exists():
+                meta.unlink()
+        lock.close()
+        _drop_finished_staging(staging)
+
+
+def _drop_finished_staging(staging: Path) -> None:
+    """Remove a repo's download folder once no partial file is left to resume."""
+    import shutil
+
+    if any(staging.rglob("*.part")):
+        return
+    shutil.rmtree(staging, ignore_errors=True)
+    top = models_dir() / DOWNLOADS
+    for folder in (staging.parent, top):
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            break
+
+
+def _is_complete_mlx(folder: Path, variant: Variant) -> bool:
+    return folder.is_dir() and all((folder / f.path).exists() and (folder / f.path).stat().st_size == f.size
+                                   for f in variant.files)
+
+
+# -- pull --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    repo: str
+    revision: str
+    variant: Variant
+    note: str  # the selector's explanation, or why this variant
+    name: str  # the store name it will have
+
+
+def plan_pull(name: str, n_ctx: int | None = None, budget=None, kv_type: str | None = None) -> PullPlan:
+    parsed = parse_name(name)
+    if parsed is None:
+        raise BadRequestError(f"pull takes a Hub repo name like org/repo or org/repo:Q4_K_M, got {name!r}")
+    repo, quant = parsed
+    revision, files = list_repo(repo)
+    found = variants(files)
+    ggufs = [v for v in found if v.format == "gguf"]
+    mlx = [v for v in found if v.format == "mlx"]
+    if quant:
+        for v in ggufs:
+            if v.quant.lower() == quant.lower():
+                return PullPlan(repo, revision, v, f"{v.quant} as asked", f"{repo}:{v.quant}")
+        have = ", ".join(sorted(v.quant for v in ggufs)) or "none (an MLX repo: pull it without :QUANT)"
+        raise ModelNotFoundError(f"{repo} has no {quant} file; available quants: {have}")
+    if not ggufs and mlx:
+        return PullPlan(repo, revision, mlx[0], "MLX model", repo)
+    if not ggufs:
+        shown = ", ".join(f.path for f in files[:8]) or "no files"
+        raise ModelNotFoundError(f"{repo} holds no GGUF files and no MLX model ({shown})")
+    from localrun.quant.selector import Budget, choose
+
+    smallest = min(ggufs, key=lambda v: v.size)
+    shape = remote_shape(repo, revision, smallest.files[0])
+    choice = choose(shape, [(v.quant, v.size) for v in ggufs], n_ctx, budget or Budget.from_hardware(), kv_type)
+    if choice.pick is None:
+        raise LocalrunError(f"no quant of {repo} fits this machine: {choice.estimates[0].explain()}"
+                            " (see `localrun fit`)")
+    v = next(v for v in ggufs if v.quant == choice.pick.quant)
+    return PullPlan(repo, revision, v, f"{choice.pick.explain()} ({choice.note})", f"{repo}:{v.quant}")
+
+
+def pull(name: str, n_ctx: int | None = None, budget=None, kv_type: str | None = None,
+         progress: Progress | None = None, announce: Callable[[str], None] | None = None) -> tuple[PullPlan, Path]:
+    plan = plan_pull(name, n_ctx, budget, kv_type)
+    if announce:
+        announce(f"pulling {plan.name}: {plan.note}")
+    return plan, install(plan.repo, plan.revision, plan.variant, progress)

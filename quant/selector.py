@@ -1,0 +1,403 @@
+"""Will a model fit, and which quant should this machine run?
+
+Memory of a loaded model = weights + KV cache + compute buffers + runtime overhead:
+
+- weights: the file sizes (GGUF: all split parts; MLX: the safetensors), split per
+  layer by the tensor sizes in the header so a partial GPU offload can be priced;
+- KV cache: 2 (K and V) x layers x cells x kv_heads x head_dim x bytes of the cache
+  type (f16 2, q8_0 34/32, q4_0 18/32). Sliding-window layers hold their window
+  (+ one micro-batch) where the backend keeps a windowed cache: MLX always does;
+  llama.cpp only with `swa_full` off (localrun's llama.cpp backend keeps llama.cpp's
+  default, the full-size cache, so those layers count at the full context there);
+- compute buffers: what llama.cpp's scheduler reserves for one micro-batch (on a GPU
+  the whole reservation is taken; on the CPU only the pages a pass touches become
+  resident, so the activations and the logits rows actually written are counted);
+- runtime overhead: the interpreter and the runtime libraries, measured
+  (scripts/fit_accuracy.py compares all of this with peak RSS).
+
+Verdicts: "Full GPU" (every layer on the GPU), "Partial" (some layers on the GPU, the
+rest in RAM), "CPU" (no usable GPU, fits in RAM), "Won't fit".
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from localrun.errors import BadRequestError, LocalrunError
+from localrun.hardware import GIB, Hardware, format_bytes, probe
+from localrun.quant.quant_types import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
+
+MIB = 1 << 20
+N_UBATCH = 512  # the llama.cpp backend's micro-batch (n_batch = n_ubatch = 512)
+LLAMA_SWA_FULL = True  # backends/llamacpp.py keeps llama.cpp's default (full-size SWA cache)
+# Measured with scripts/fit_accuracy.py: RSS of the interpreter with each runtime imported
+# (llama.cpp: 48 MiB for Python + the library, ~18 MiB of threads and graph metadata).
+OVERHEAD = {"llama.cpp": 66 * MIB, "mlx": 150 * MIB}
+# llama.cpp's vocabulary tables (token text, scores, the text->id map) and the engine's
+# per-token tables: ~75 bytes a token, fitted on SmolLM2 (49k) and Gemma-3 (262k).
+VOCAB_BYTES_PER_TOKEN = 75
+# Tensor types llama.cpp's CPU backend repacks into an interleaved copy (x86 AVX2, ARM).
+REPACKED_TYPES = frozenset({2, 12, 20})  # Q4_0, Q4_K, IQ4_NL
+GPU_CONTEXT_OVERHEAD = 400 * MIB  # a CUDA context and cuBLAS workspace take this much VRAM
+RAM_RESERVE = 512 * MIB  # left to the OS and the other programs when the budget is probed
+VERDICTS = ("Full GPU", "Partial", "CPU", "Won't fit")
+
+# Layer i is a sliding-window layer when (i + 1) % period != 0 (llama.cpp's default
+# pattern), for architectures whose GGUF does not store the pattern itself.
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt-oss": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of an architecture the memory model needs (not the weights)."""
+
+    architecture: str
+    n_layer: int
+    n_ctx_train: int
+    n_embd: int
+    n_ff: int
+    n_vocab: int
+    kv_heads: tuple[int, ...]  # per layer (0 for layers without attention)
+    head_dim_k: int
+    head_dim_v: int
+    swa: tuple[bool, ...]  # per layer: sliding-window attention
+    sliding_window: int | None
+    layer_share: tuple[float, ...]  # each block's share of the weight bytes
+    backend: str  # "llama.cpp" | "mlx"
+    repack_share: float = 0.0  # share of the weight bytes the CPU backend copies into repacked form
+
+
+def _per_layer(value, n: int) -> tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        vals = [int(v) for v in value][:n]
+        return tuple(vals + [vals[-1] if vals else 0] * (n - len(vals)))
+    return (int(value or 0),) * n
+
+
+def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
+    """From a GGUF header (gguf_check's summary: metadata and tensor infos)."""
+    arch = str(metadata.get("general.architecture", "llama"))
+
+    def key(name, default=None):
+        return metadata.get(f"{arch}.{name}", default)
+
+    n_layer = int(key("block_count", 0) or 0)
+    if n_layer <= 0:
+        raise BadRequestError(f"the GGUF header has no {arch}.block_count; cannot size this model")
+    n_embd = int(key("embedding_length", 0) or 0)
+    heads = _per_layer(key("attention.head_count", 1), n_layer)
+    kv_heads = _per_layer(key("attention.head_count_kv", heads[0]), n_layer)
+    head_k = int(key("attention.key_length", 0) or (n_embd // max(1, heads[0])))
+    head_v = int(key("attention.value_length", 0) or head_k)
+    ff = key("feed_forward_length", 4 * n_embd)
+    n_ff = max(_per_layer(ff, n_layer)) if ff else 4 * n_embd
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    n_vocab = int(key("vocab_size", 0) or getattr(tokens, "count", 0) or (len(tokens) if isinstance(tokens, list) else 0))
+    window = key("attention.sliding_window")
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        swa = tuple(bool(p) for p in _per_layer([int(bool(p)) for p in pattern], n_layer))
+    elif window:
+        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else _SWA_PERIOD.get(arch, 0)
+        swa = tuple(period > 1 and (i + 1) % period != 0 for i in range(n_layer))
+    else:
+        swa = (False,) * n_layer
+    per_layer = [0] * n_layer
+    total = repacked = 0
+    for t in tensors:
+        total += t.nbytes
+        if t.ggml_type in REPACKED_TYPES and t.name.startswith("blk."):
+            repacked += t.nbytes
+        if t.name.startswith("blk."):
+            idx = t.name.split(".", 2)[1]
+            if idx.isdigit() and int(idx) < n_layer:
+                per_layer[int(idx)] += t.nbytes
+    share = tuple(b / total for b in per_layer) if total else (1.0 / n_layer,) * n_layer
+    return ModelShape(arch, n_layer, int(key("context_length", 4096) or 4096), n_embd, n_ff, n_vocab,
+                      kv_heads, head_k, head_v, swa, int(window) if window else None, share, "llama.cpp",
+                      repacked / total if total else 0.0)
+
+
+def shape_from_mlx_config(config: dict) -> ModelShape:
+    cfg = {**config, **(config.get("text_config") or {})}  # multimodal configs nest the LM
+    n_layer = int(cfg.get("num_hidden_layers", 0))
+    if n_layer <= 0:
+        raise BadRequestError("config.json has no num_hidden_layers; cannot size this MLX model")
+    n_embd = int(cfg.get("hidden_size", 0))
+    n_head = int(cfg.get("num_attention_heads", 1))
+    head_dim = int(cfg.get("head_dim") or n_embd // max(1, n_head))
+    window = cfg.get("sliding_window")
+    if cfg.get("layer_types"):
+        swa = tuple(t == "sliding_attention" for t in cfg["layer_types"][:n_layer])
+    elif window and cfg.get("sliding_window_pattern"):
+        period = int(cfg["sliding_window_pattern"])
+        swa = tuple((i + 1) % period != 0 for i in range(n_layer))
+    else:
+        swa = (False,) * n_layer
+        window = None
+    return ModelShape(str(cfg.get("model_type", "unknown")), n_layer, int(cfg.get("max_position_embeddings") or 4096),
+                      n_embd, int(cfg.get("intermediate_size", 4 * n_embd)), int(cfg.get("vocab_size", 0)),
+                      _per_layer(cfg.get("num_key_value_heads", n_head), n_layer), head_dim, head_dim,
+                      swa, int(window) if window else None, (1.0 / n_layer,) * n_layer, "mlx")
+
+
+@functools.lru_cache(maxsize=64)
+def _shape_cached(path: str, mtime: float) -> ModelShape:
+    p = Path(path)
+    if p.is_dir():
+        import json
+
+        return shape_from_mlx_config(json.loads((p / "config.json").read_text(encoding="utf-8")))
+    from localrun.gguf_check import check_gguf
+
+    summary = check_gguf(p)
+    return shape_from_gguf(summary.metadata, summary.tensors)
+
+
+def model_shape(path: Path) -> ModelShape:
+    path = Path(path)
+    return _shape_cached(str(path), path.stat().st_mtime)
+
+
+def weights_bytes(path: Path) -> int:
+    """All bytes a model loads: every split part, or every safetensors file."""
+    path = Path(path)
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    from localrun.store import split_parts
+
+    return sum(p.stat().st_size for p in (split_parts(path) or [path]))
+
+
+# -- the arithmetic -------------------------------------------------------------------
+
+
+def kv_cache_bytes(shape: ModelShape, n_ctx: int, kv_type: str = "f16", n_seq: int = 1) -> int:
+    per_elem = kv_bytes_per_element(kv_type)
+    windowed = shape.backend == "mlx" or not LLAMA_SWA_FULL
+    total = 0.0
+    for heads, is_swa in zip(shape.kv_heads, shape.swa):
+        cells = n_ctx * n_seq
+        if is_swa and windowed and shape.sliding_window:
+            # llama.cpp pads the window by one micro-batch to 256 cells; mlx-lm's rotating cache holds the window
+            pad = N_UBATCH if shape.backend == "llama.cpp" else 0
+            cells = min(cells, -(-(shape.sliding_window * n_seq + pad) // 256) * 256)
+        total += cells * heads * (shape.head_dim_k + shape.head_dim_v) * per_elem
+    return int(total)
+
+
+def compute_bytes(shape: ModelShape, n_ctx: int, on_gpu: bool) -> int:
+    """Scheduler buffers for one micro-batch of N_UBATCH tokens.
+
+    llama.cpp reserves logits for every row of a micro-batch (n_ubatch x n_vocab f32);
+    a GPU takes all of it. On the CPU the pages only become resident when written, and
+    the engine asks for the logits of the last row of a prompt, so what counts there is
+    the activations (hidden and feed-forward rows), the attention mask (f16,
+    n_ctx x n_ubatch, one per attention kind) and a few logits rows.
+    """
+    if shape.backend == "mlx":
+        # MLX evaluates lazily; the peak is the feed-forward activations of one chunk plus logits rows
+        return int(N_UBATCH * (shape.n_embd * 8 + shape.n_ff * 3) * 4 + 8 * shape.n_vocab * 4)
+    activations = N_UBATCH * (shape.n_embd * 6 + shape.n_ff * 3) * 4
+    masks = (2 if any(shape.swa) else 1) * n_ctx * N_UBATCH * 2
+    logits_rows = N_UBATCH if on_gpu else 8
+    return int(activations + masks + logits_rows * shape.n_vocab * 4)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory the model may take: RAM (after a reserve) and, on a discrete GPU, VRAM."""
+
+    ram: int
+    vram: int = 0  # 0: no GPU to offload to
+    unified: bool = False  # Apple Silicon: `vram` is Metal's working set inside `ram`
+    source: str = "probed"
+    repack: bool = True  # the CPU backend repacks Q4_0/Q4_K/IQ4_NL here (AVX2 or ARM)
+
+    @classmethod
+    def from_hardware(cls, hw: Hardware | None = None) -> "Budget":
+        hw = hw or probe()
+        ram = max(0, hw.ram_available - RAM_RESERVE)
+        if hw.unified_memory:
+            return cls(ram, min(ram, hw.gpu_free), True, repack=cpu_repacks(hw))
+        vram = max(0, hw.gpu_free - GPU_CONTEXT_OVERHEAD) if hw.gpus else 0
+        return cls(ram, vram, False, repack=cpu_repacks(hw))
+
+    @classmethod
+    def from_gb(cls, gb: float) -> "Budget":
+        """`--memory GB`: that much free memory for the model, CPU only."""
+        if gb <= 0:
+            raise BadRequestError(f"--memory must be a positive number of GB, got {gb}")
+        return cls(int(gb * GIB), 0, False, "--memory", cpu_repacks(probe()))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    quant: str
+    n_ctx: int
+    kv_type: str
+    weights: int
+    kv: int
+    buffers: int
+    overhead: int
+    budget: int  # the memory the verdict was judged against
+    verdict: str
+    gpu_layers: int  # layers on the GPU (n_gpu_layers); 0 on the CPU
+    n_layer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.buffers + self.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict != "Won't fit"
+
+    def explain(self) -> str:
+        kv = f" ({self.kv_type} KV)" if self.kv_type != "f16" else ""
+        text = (f"{self.quant}: {format_bytes(self.weights)} weights + {format_bytes(self.kv)} KV @ {self.n_ctx}{kv}"
+                f" + {format_bytes(self.buffers + self.overhead)} buffers = {format_bytes(self.total)}"
+                f" of {format_bytes(self.budget)} free")
+        if self.verdict == "Partial":
+            text += f"; {self.gpu_layers} of {self.n_layer} layers on the GPU"
+        return text
+
+
+def estimate(shape: ModelShape, weights: int, n_ctx: int, budget: Budget, kv_type: str = "f16",
+             quant: str = "?", n_seq: int = 1) -> Estimate:
+    if kv_type not in KV_CACHE_TYPES:
+        kv_bytes_per_element(kv_type)  # raises the one-line error
+    kv = kv_cache_bytes(shape, n_ctx, kv_type, n_seq)
+    overhead = OVERHEAD.get(shape.backend, OVERHEAD["llama.cpp"])
+    if shape.backend == "llama.cpp":
+        overhead += shape.n_vocab * VOCAB_BYTES_PER_TOKEN
+    base = dict(quant=quant, n_ctx=n_ctx, kv_type=kv_type, weights=weights, kv=kv, overhead=overhead,
+                n_layer=shape.n_layer)
+    cpu_buffers = compute_bytes(shape, n_ctx, on_gpu=False)
+    if budget.repack:
+        cpu_buffers += int(weights * shape.repack_share)
+    cpu_total = weights + kv + cpu_buffers + overhead
+    if budget.vram <= 0 or (shape.backend == "mlx" and not budget.unified):
+        verdict = "CPU" if cpu_total <= budget.ram else "Won't fit"
+        return Estimate(**base, buffers=cpu_buffers, budget=budget.ram, verdict=verdict, gpu_layers=0)
+    gpu_buffers = compute_bytes(shape, n_ctx, on_gpu=True)
+    if weights + kv + gpu_buffers <= budget.vram and (not budget.unified or cpu_total <= budget.ram):
+        return Estimate(**base, buffers=gpu_buffers, budget=budget.vram, verdict="Full GPU",
+                        gpu_layers=shape.n_layer)
+    if shape.backend == "mlx":  # MLX cannot split a model between GPU and CPU
+        return Estimate(**base, buffers=gpu_buffers, budget=budget.vram, verdict="Won't fit", gpu_layers=0)
+    # Partial offload: llama.cpp puts the last n_gpu_layers blocks on the GPU.
+    kv_layer = [kv / shape.n_layer] * shape.n_layer
+    room = budget.vram - gpu_buffers
+    layers, used = 0, 0.0
+    for i in reversed(range(shape.n_layer)):
+        cost = weights * shape.layer_share[i] + kv_layer[i]
+        if used + cost > room:
+            break
+        used, layers = used + cost, layers + 1
+    rest = cpu_total - used if not budget.unified else cpu_total
+    if rest > budget.ram:
+        verdict = "Won't fit"
+    elif layers == 0:
+        verdict = "CPU"
+    else:
+        verdict = "Partial"
+    return Estimate(**base, buffers=gpu_buffers if layers else cpu_buffers,
+                    budget=budget.ram + (budget.vram if not budget.unified else 0),
+                    verdict=verdict, gpu_layers=layers)
+
+
+def cpu_repacks(hw: Hardware) -> bool:
+    """Whether llama.cpp's CPU backend keeps repacked copies of Q4 weights on this CPU."""
+    return "avx2" in hw.simd or hw.machine.lower() in ("arm64", "aarch64")
+
+
+def largest_context(shape: ModelShape, weights: int, budget: Budget, kv_type: str = "f16",
+                    quant: str = "?", n_seq: int = 1) -> Estimate | None:
+    """The longest context (a multiple of 256, at most the trained one) that fits, or None."""
+    lo, hi = 0, max(1, shape.n_ctx_train // 256)
+    best = None
+    while lo < hi:  # find the largest k with a fitting estimate at k * 256
+        mid = (lo + hi + 1) // 2
+        est = estimate(shape, weights, mid * 256, budget, kv_type, quant, n_seq)
+        if est.fits:
+            lo, best = mid, est
+        else:
+            hi = mid - 1
+    return best if lo else None
+
+
+@dataclass(frozen=True)
+class Choice:
+    pick: Estimate | None  # None: nothing fits even at 256 tokens
+    estimates: tuple[Estimate, ...]  # every quant at the asked context and KV type
+    note: str  # why the pick, one line
+
+
+def choose(shape: ModelShape, quants: list[tuple[str, int]], n_ctx: int | None, budget: Budget,
+           kv_type: str | None = None) -> Choice:
+    """The best quant (by quality rank) that fits at `n_ctx`.
+
+    When no f16 KV cache fits with the best weights, a q8_0 cache (near-lossless) is
+    tried before a smaller weight quant; q4_0 only when nothing else fits. When no quant
+    fits at the asked context at all, the best quant that loads gets the longest context
+    that fits. `kv_type` given by the user is never changed.
+    """
+    if not quants:
+        raise BadRequestError("no quants to choose from")
+    ctx = int(n_ctx or min(4096, shape.n_ctx_train))
+    asked = kv_type or "f16"
+    ranked = sorted(quants, key=lambda q: (-quality_rank(q[0]), q[1]))
+    estimates = tuple(estimate(shape, size, ctx, budget, asked, q) for q, size in quants)
+    kv_tries = [asked] if kv_type else ["f16", "q8_0"]
+    for q, size in ranked:
+        for kv in kv_tries:
+            est = estimate(shape, size, ctx, budget, kv, q)
+            if est.fits:
+                why = ("best quality that fits" if kv == asked
+                       else f"a {kv} KV cache keeps {q} at {ctx} tokens: run it with --kv-cache-type {kv}")
+                return Choice(est, estimates, why)
+    if not kv_type:
+        for q, size in ranked:
+            est = estimate(shape, size, ctx, budget, "q4_0", q)
+            if est.fits:
+                return Choice(est, estimates, f"{ctx} tokens need a q4_0 KV cache: run it with --kv-cache-type q4_0")
+    for q, size in ranked:
+        best = largest_context(shape, size, budget, asked, q)
+        if best is not None:
+            return Choice(best, estimates, f"no quant fits {ctx} tokens; {q} fits {best.n_ctx}")
+    return Choice(None, estimates, "nothing fits, not even 256 tokens of the smallest quant")
+
+
+def fit_verdict(path: Path, n_ctx: int | None = None, kv_type: str = "f16", budget: Budget | None = None) -> str:
+    """"Full GPU" | "Partial" | "CPU" | "Won't fit" for an installed model on this machine.
+
+    n_ctx defaults to what `run` uses: min(4096, the trained context). A file that
+    cannot be read answers "Won't fit" rather than raising, so listings never break.
+    """
+    try:
+        shape = model_shape(Path(path))
+        size = weights_bytes(Path(path))
+    except (OSError, ValueError, LocalrunError):  # a malformed file: the listing still shows it
+        return "Won't fit"
+    ctx = int(n_ctx or min(4096, shape.n_ctx_train))
+    return estimate(shape, size, ctx, budget or memory_from_env() or Budget.from_hardware(), kv_type).verdict
+
+
+def memory_from_env() -> Budget | None:
+    """LOCALRUN_MEMORY_GB pins the budget (tests, or a machine shared with other work)."""
+    value = os.environ.get("LOCALRUN_MEMORY_GB")
+    if not value:
+        return None
+    try:
+        return Budget.from_gb(float(value))
+    except ValueError:
+        raise BadRequestError(f"LOCALRUN_MEMORY_GB must be a number of GB, got {value!r}") from None
+
+
+__all__ = ["Budget", "Choice", "Estimate", "ModelShape", "VERDICTS", "choose", "estimate", "fit_verdict",
+           "kv_cache_bytes", "largest_context", "model_shape", "shape_from_gguf",
+           "shape_from_mlx_config", "weights_bytes"]
