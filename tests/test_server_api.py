@@ -6,6 +6,7 @@ the whole module."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -262,3 +263,25 @@ def test_health_props_slots_metrics(server):
     assert "# TYPE llamacpp:tokens_predicted_total counter" in text
     line = next(x for x in text.splitlines() if x.startswith(f'llamacpp:tokens_predicted_total{{model="{MODEL}"}}'))
     assert float(line.split()[-1]) >= 3
+
+
+def test_t_max_predict_ms_ends_a_long_completion(server):
+    body = {"prompt": "Count:", "n_predict": 900, "ignore_eos": True, "t_max_predict_ms": 300, "lookup": False}
+    r = httpx.post(server.url + "/completion", json=body, timeout=120).json()
+    assert r["stop_type"] == "limit" and 1 <= r["tokens_predicted"] < 900
+
+
+def test_keep_alive_zero_unloads_and_negative_keeps(olm, server):
+    olm.generate(model=FIM_MODEL, prompt="x", options={"num_predict": 1}, keep_alive=-1)
+    ps = {m.model: m for m in olm.ps().models}
+    assert ps[FIM_MODEL].expires_at.year == 9999  # kept until told otherwise
+    r = httpx.post(server.url + "/api/generate", json={"model": FIM_MODEL, "keep_alive": 0}, timeout=30).json()
+    assert r["done_reason"] == "unload"
+    assert FIM_MODEL not in {m.model for m in olm.ps().models}
+    # a model unloads by itself once idle for its keep_alive
+    olm.generate(model=FIM_MODEL, prompt="x", options={"num_predict": 1}, keep_alive="1s")
+    assert FIM_MODEL in {m.model for m in olm.ps().models}
+    deadline = time.monotonic() + 10
+    while FIM_MODEL in {m.model for m in olm.ps().models}:
+        assert time.monotonic() < deadline, "not unloaded 10 s after a 1 s keep_alive"
+        time.sleep(0.2)
