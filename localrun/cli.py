@@ -93,10 +93,18 @@ def grammar_from_args(args: argparse.Namespace):
     return Grammar.json_object()
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a .gguf file, an MLX model folder, or an installed name org/repo[:QUANT]")
+def _add_model(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    what = "a .gguf file, an MLX model folder, or an installed name org/repo[:QUANT]"
+    if optional:
+        p.add_argument("model", nargs="?", default=None,
+                       help=what + " (default: the last one used, else the best installed one, else a picker)")
+    else:
+        p.add_argument("model", help=what)
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: min(4096, trained))")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--kv-cache-type", choices=("f16", "q8_0", "q4_0"), default="f16",
+                   help="KV cache element type: q8_0 holds about half of f16's memory per token, q4_0 a quarter"
+                   " (default f16)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: to the end of the context)")
     p.add_argument("--verbose", action="store_true", help="print timings to stderr")
@@ -132,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise LocalrunError("no prompt: pass one as an argument or on stdin")
     sampling = sampling_from_args(args)
     grammar = grammar_from_args(args)  # a bad grammar fails before the model loads
-    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads) as engine:
+    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type) as engine:
         if args.raw:
             tokens = engine.tokenize(prompt)
         else:
@@ -155,9 +163,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from localrun.tui.repl import run_repl
+    from localrun.tui.app import run_chat  # the Textual app; the line REPL when piped
 
-    return run_repl(args)
+    return run_chat(args)
 
 
 # Modules that add their own subcommands (`add_commands(subparsers)`); each imports only
@@ -180,8 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal")
-    _add_model(chat)
+    _add_model(chat, optional=True)
     _add_sampling(chat)
+    g = chat.add_argument_group("constrained output (one of; also set in the chat's settings)")
+    g = g.add_mutually_exclusive_group()
+    g.add_argument("--grammar", metavar="FILE", help="a GBNF grammar file (llama.cpp syntax)")
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema file every answer must validate against")
     chat.set_defaults(func=cmd_chat)
 
     for name in COMMAND_MODULES:

@@ -1,0 +1,413 @@
+"""`localrun chat`: the Textual chat app.
+
+Every engine call (load, answer) runs on a worker thread, one at a time (ChatSession's
+lock); the event loop only draws. The answer worker posts `AnswerChunk`s, which the
+app appends to a Markdown stream (it batches fragments when the screen falls behind),
+and one `AnswerDone`. Esc sets the worker's cancel flag: it stops after the current
+backend step and the text written so far stays in the chat.
+
+    python -m localrun.tui.app MODEL [chat flags]   # what `localrun chat` runs
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.message import Message
+from textual.widgets import Footer, Markdown, ProgressBar
+
+from localrun.engine import Timings
+from localrun.errors import LocalrunError, ModelNotFoundError
+
+from .conversations import Conversation, ConversationStore, default_title
+from .commands import SlashCommands
+from .help import HelpScreen, parse_slash
+from .history import Conversations
+from .input import PromptInput
+from .picker import ModelPicker, initial_model, store_models, store_verdict
+from .session import ChatSession, Reply, resolve
+from .settings import ChatSettings, settings_from_args
+from .settings_screen import SettingsPanel
+from .status import StatusBar, process_rss
+
+WELCOME = "Type a message — **Enter** sends, **Esc** stops the answer, **F1** lists every key and `/command`."
+
+
+class AnswerChunk(Message):
+    def __init__(self, text: str, timings: Timings) -> None:
+        super().__init__()
+        self.text, self.timings = text, timings
+
+
+class AnswerDone(Message):
+    def __init__(self, reply: Reply | None, error: str = "") -> None:
+        super().__init__()
+        self.reply, self.error = reply, error
+
+
+class ModelLoaded(Message):
+    def __init__(self, name: str, error: LocalrunError | None = None) -> None:
+        super().__init__()
+        self.name, self.error = name, error
+
+
+class ChatApp(SlashCommands, App):
+    CSS_PATH = "chat.tcss"
+    TITLE = "localrun chat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),  # in the footer only while an answer is being written
+        Binding("ctrl+o", "models", "Models"),
+        Binding("ctrl+s", "settings", "Settings"),
+        Binding("ctrl+n", "new_chat", "New"),
+        Binding("ctrl+l", "history", "Chats"),
+        Binding("ctrl+r", "regenerate", "Regen"),
+        Binding("ctrl+y", "copy_answer", "Copy"),
+        Binding("f1", "help", "Help"),
+    ]
+
+    def __init__(
+        self,
+        session: ChatSession,
+        settings: ChatSettings,
+        store: ConversationStore,
+        model: tuple[Path, str] | None = None,
+        models=store_models,
+        verdict=None,
+        rss=process_rss,
+    ) -> None:
+        super().__init__()
+        self.session, self.settings, self.store = session, settings, store
+        self._initial_model = model
+        # the fit is judged at the context this chat opens models with
+        self._verdict = verdict or (lambda path: store_verdict(path, session.n_ctx))
+        self._models, self._rss = models, rss
+        self.messages: list[dict] = []
+        self.conv_id: int | None = None
+        self.conv_model = ""  # the model of the latest answer, saved with the conversation
+        self.title_text: str | None = None  # set by /save or rename; else the first message
+        self._generating = self.loading = False
+        self.startup_error: LocalrunError | None = None
+        self._cancel = threading.Event()
+        self._answer: Markdown | None = None
+        self._stream = None
+
+    @property
+    def generating(self) -> bool:
+        return self._generating
+
+    @generating.setter
+    def generating(self, value: bool) -> None:
+        self._generating = value
+        self.refresh_bindings()  # shows or hides "esc Stop" in the footer
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "stop":
+            return self._generating
+        return True
+
+    # -- layout ---------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="conversation"):
+            yield Markdown(WELCOME, id="welcome")
+        yield ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading")
+        yield PromptInput(id="prompt")
+        yield StatusBar(rss=self._rss, id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#loading").display = False
+        self.query_one(PromptInput).focus()
+        if self._initial_model is not None:
+            self.load_model(*self._initial_model)
+        else:
+            self.action_models()
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    @property
+    def view(self) -> VerticalScroll:
+        return self.query_one("#conversation", VerticalScroll)
+
+    def add_message(self, role: str, text: str) -> Markdown:
+        """A message block in the conversation view: user, assistant, error or info."""
+        for w in self.query("#welcome"):
+            w.remove()
+        widget = Markdown(text, classes=f"message {role}")
+        self.view.mount(widget)
+        self.view.anchor()  # follow the bottom while the answer grows, until the user scrolls up
+        return widget
+
+    # -- models ---------------------------------------------------------------------
+
+    def load_model(self, path: Path, name: str) -> None:
+        if self.generating:
+            self._cancel.set()  # the load waits for the answer to stop (session lock)
+        self.loading = True
+        self.query_one("#loading").display = True
+        self.status.update_values(model=name, quant="", state="loading…", timings=None, n_ctx=0, ctx_used=0)
+        self._load(path, name)
+
+    @work(thread=True, group="engine")
+    def _load(self, path: Path, name: str) -> None:
+        try:
+            self.session.load(path, name)
+        except LocalrunError as exc:
+            self.post_message(ModelLoaded(name, exc))
+        except Exception as exc:  # a backend bug must not take the chat down with it
+            self.post_message(ModelLoaded(name, LocalrunError(f"loading {name} failed: {exc!r}")))
+        else:
+            self.post_message(ModelLoaded(name))
+
+    def on_model_loaded(self, msg: ModelLoaded) -> None:
+        self.loading = False
+        self.query_one("#loading").display = False
+        if msg.error:
+            if self._initial_model is not None and self.session.engine is None and not self.messages:
+                self.startup_error = msg.error  # `localrun chat BAD` ends with one error line
+                self.exit(return_code=msg.error.exit_code)
+                return
+            self.status.update_values(model="", state="", n_ctx=0)
+            self.add_message("error", f"**error:** {msg.error}")
+            return
+        self._initial_model = None
+        engine = self.session.engine
+        self.status.update_values(model=msg.name, quant=self.session.quant, state="", n_ctx=engine.n_ctx)
+
+    def action_models(self) -> None:
+        def chosen(model) -> None:
+            if model is not None:
+                self.load_model(Path(model.path), model.name)
+
+        self.push_screen(ModelPicker(self.session.model_name, self._models, self._verdict), chosen)
+
+    # -- sending and streaming --------------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    async def on_prompt_submitted(self, event: PromptInput.Submitted) -> None:
+        text = event.text.strip()
+        if not text:
+            return
+        command = parse_slash(text)
+        if command is not None:
+            event.input.clear()
+            await self.run_slash(*command)
+            return
+        if text.startswith("//"):
+            text = text[1:]
+        if self.generating or self.loading:
+            self.notify("Wait for the model (Esc stops an answer).", severity="warning")
+            return
+        if self.session.engine is None:
+            self.notify("No model is open: Ctrl+O picks one.", severity="warning")
+            return
+        event.input.clear()
+        self.messages.append({"role": "user", "content": text})
+        self.add_message("user", text)
+        self.start_answer()
+
+    def start_answer(self) -> None:
+        self._answer = self.add_message("assistant", "")
+        self._answer.add_class("pending")
+        self._stream = Markdown.get_stream(self._answer)
+        self._cancel = threading.Event()
+        self.generating = True
+        self.status.update_values(state="thinking…", timings=None)
+        self._generate(list(self.messages), self.settings.copy(), self._cancel)
+
+    @work(thread=True, group="engine")
+    def _generate(self, messages: list[dict], settings: ChatSettings, cancel: threading.Event) -> None:
+        try:
+            reply = self.session.reply(messages, settings, cancel, lambda t, tm: self.post_message(AnswerChunk(t, tm)))
+        except LocalrunError as exc:
+            self.post_message(AnswerDone(None, str(exc)))
+        except Exception as exc:  # a bug: say so in the chat instead of crashing it
+            self.post_message(AnswerDone(None, f"generation failed: {exc!r}"))
+        else:
+            self.post_message(AnswerDone(reply))
+
+    async def on_answer_chunk(self, msg: AnswerChunk) -> None:
+        if self._stream is not None:
+            await self._stream.write(msg.text)
+        t = msg.timings
+        self.status.update_values(state="", timings=t, lookup=self.settings.lookup,
+                                  ctx_used=t.prompt_tokens + t.generated_tokens)
+
+    async def on_answer_done(self, msg: AnswerDone) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+        self._stream, answer, self._answer = None, self._answer, None
+        self.generating = False
+        reply = msg.reply
+        if reply is None or (reply.finish_reason == "cancelled" and not reply.text):
+            # nothing was written: take the question back so it can be edited and resent
+            if answer is not None:
+                await answer.remove()
+            question = self.messages.pop() if self.messages and self.messages[-1]["role"] == "user" else None
+            if question is not None:
+                await self.view.children[-1].remove()
+                box = self.query_one(PromptInput)
+                if not box.text.strip():  # never overwrite what was typed meanwhile
+                    box.text = question["content"]
+            if msg.error:
+                self.add_message("error", f"**error:** {msg.error}")
+            self.status.update_values(state="")
+            return
+        answer.remove_class("pending")
+        note = {"cancelled": "stopped", "length": "max tokens reached"}.get(reply.finish_reason)
+        if note:
+            answer.border_subtitle = note
+            answer.add_class("noted")  # draws the bottom border the note sits on
+        self.messages.append({"role": "assistant", "content": reply.text})
+        self.conv_model = reply.model
+        self.status.update_values(state="", timings=reply.timings, ctx_used=reply.prompt_tokens + reply.timings.generated_tokens)
+        if reply.dropped:
+            self.notify(f"The {reply.dropped} oldest message(s) no longer fit the context and were left out.")
+        self.save()
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self._cancel.set()
+
+    def action_regenerate(self) -> None:
+        if self._busy():
+            return
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+            self.query(".assistant").last().remove()
+        if not self.messages:
+            self.notify("Nothing to regenerate yet.")
+            return
+        self.start_answer()
+
+    def action_copy_answer(self) -> None:
+        last = next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), None)
+        if last is None:
+            self.notify("No answer to copy yet.")
+            return
+        self.copy_to_clipboard(last)
+        self.notify("Copied the last answer.")
+
+    def _busy(self) -> bool:
+        if self.generating or self.loading:
+            self.notify("Wait for the model (Esc stops an answer).", severity="warning")
+            return True
+        return False
+
+    # -- conversations ------------------------------------------------------------------
+
+    def conversation(self) -> Conversation:
+        title = self.title_text or default_title(self.messages)
+        model = self.conv_model or self.session.model_name
+        return Conversation(self.conv_id, title, model, self.settings.system, list(self.messages))
+
+    def save(self) -> None:
+        if not self.messages:
+            return
+        c = self.conversation()
+        try:
+            self.conv_id = self.store.save(c.id, c.title, c.model, c.system, c.messages)
+        except Exception as exc:  # a full disk must not lose the chat on screen
+            self.notify(f"could not save the conversation: {exc}", severity="error")
+
+    async def action_new_chat(self) -> None:
+        if self._busy():
+            return
+        self.messages, self.conv_id, self.title_text, self.conv_model = [], None, None, ""
+        await self.view.remove_children()
+        await self.view.mount(Markdown(WELCOME, id="welcome"))
+        self.status.update_values(timings=None, ctx_used=0, state="")
+
+    def action_history(self) -> None:
+        async def chosen(cid: int | None) -> None:
+            if cid is not None and not self._busy():
+                await self.resume(cid)
+
+        self.push_screen(Conversations(self.store), chosen)
+
+    async def resume(self, cid: int) -> None:
+        conv = self.store.load(cid)
+        await self.action_new_chat()
+        self.conv_id, self.title_text, self.messages = conv.id, conv.title, list(conv.messages)
+        self.conv_model = conv.model
+        self.settings.system = conv.system
+        for m in conv.messages:
+            self.add_message(m["role"], m["content"])
+        if conv.model and conv.model != self.session.model_name:
+            self.notify(f"Saved with {conv.model}; Ctrl+O switches model.")
+
+    # -- panels and commands ------------------------------------------------------------
+
+    def action_settings(self) -> None:
+        def applied(settings: ChatSettings | None) -> None:
+            if settings is not None:
+                self.settings = settings
+                self.status.update_values(lookup=settings.lookup)
+                self.notify("Settings applied to the next answer.")
+
+        self.push_screen(SettingsPanel(self.settings), applied)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    async def action_quit(self) -> None:
+        self._cancel.set()  # the worker stops after its current step; then the app can end
+        self.exit()
+
+
+def run_chat(args, interactive: bool | None = None) -> int:
+    """`localrun chat`: the app in a terminal; piped (stdin or stdout not a terminal),
+    the line REPL, so `echo question | localrun chat MODEL` and scripts keep working."""
+    settings = settings_from_args(args)  # bad flags fail before anything loads
+    if interactive is None:
+        interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    if not interactive:
+        return _run_piped(args)
+    store = ConversationStore.open()
+    app = None
+    try:
+        app = ChatApp(ChatSession(n_ctx=args.ctx, threads=args.threads), settings, store, initial_model(args, store))
+        app.run()
+    finally:
+        store.close()
+        if app is not None:
+            app.session.close()  # waits for an answer still being written (the session lock)
+    if app.startup_error is not None:
+        raise app.startup_error
+    return app.return_code or 0
+
+
+def _run_piped(args) -> int:
+    from .repl import run_repl
+
+    if args.model:
+        model = resolve(args.model)
+    else:  # the store only says which model; a piped chat saves nothing
+        store = ConversationStore.open()
+        try:
+            model = initial_model(args, store)
+        finally:
+            store.close()
+        if model is None:
+            raise ModelNotFoundError("no model installed: pass a .gguf file or an MLX folder, or pull one")
+    args.model = str(model[0])
+    return run_repl(args)
+
+
+if __name__ == "__main__":
+    from localrun.cli import build_parser
+
+    args = build_parser().parse_args(["chat", *sys.argv[1:]])
+    try:
+        raise SystemExit(run_chat(args))
+    except LocalrunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code)
