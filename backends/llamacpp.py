@@ -9,6 +9,11 @@ positions in a KV stream of its own (`kv_unified = False`): with this llama.cpp,
 unified cache plus flash attention gave wrong logits to the second of two sequences
 decoded in one batch (tests/test_backend_contract.py::test_two_sequences_in_one_decode
 and test_generation.py::test_two_generations_stepped_together_match_solo catch it).
+
+`kv_cache_type` q8_0 / q4_0 stores K and V in llama.cpp's block quantizations (34 or 18
+bytes per 32 values instead of 64). llama.cpp attends over a quantized V only inside its
+flash-attention kernel, so flash attention is switched on for those rather than left to
+llama.cpp's automatic choice.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from localrun.errors import BackendUnavailableError, ModelLoadError
 from localrun.quant.catalog import file_type_name
 
+from . import check_kv_cache_type
 from .base import BatchEntry, KvLedger, ModelInfo, check_batch
 
 try:
@@ -30,6 +36,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     _lc = None
     _IMPORT_ERROR = exc
+
+# --kv-cache-type names -> ggml element types (ggml.h: GGML_TYPE_F16 = 1, Q4_0 = 2, Q8_0 = 8)
+_GGML_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
 _LOG_CALLBACK = None  # keep the ctypes callback alive for the process lifetime
 _BACKEND_READY = False
@@ -57,6 +66,17 @@ def _init_llama() -> None:
     _BACKEND_READY = True
 
 
+def _set_kv_cache_type(cparams, kv_cache_type: str) -> None:
+    cparams.type_k = cparams.type_v = _GGML_KV_TYPES[kv_cache_type]
+    if kv_cache_type == "f16":
+        return  # llama.cpp's automatic flash-attention choice, as before
+    # Older llama-cpp-python releases have a bool `flash_attn`; newer ones a tri-state type.
+    if hasattr(cparams, "flash_attn_type"):
+        cparams.flash_attn_type = _lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    else:
+        cparams.flash_attn = True
+
+
 def default_threads() -> int:
     try:
         import psutil
@@ -77,7 +97,9 @@ class LlamaCppBackend:
         n_batch: int = 512,
         threads: int | None = None,
         n_gpu_layers: int = -1,
+        kv_cache_type: str = "f16",
     ) -> None:
+        self.kv_cache_type = check_kv_cache_type(kv_cache_type)
         _init_llama()
         self._model = None
         self._ctx = None
@@ -108,9 +130,16 @@ class LlamaCppBackend:
         cparams.n_threads_batch = threads
         cparams.kv_unified = False  # see the module docstring
         cparams.no_perf = True
+        _set_kv_cache_type(cparams, self.kv_cache_type)
         ctx = _lc.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
+            if self.kv_cache_type != "f16":
+                raise ModelLoadError(
+                    f"llama.cpp could not create a context with --kv-cache-type {self.kv_cache_type} for {path}"
+                    " (a quantized KV cache needs flash attention, which this model or device may lack);"
+                    " try --kv-cache-type f16 or a smaller --ctx; LOCALRUN_LLAMA_LOG=1 shows why"
+                )
             raise ModelLoadError(
                 f"llama.cpp could not create a context of {self.n_ctx * self.n_seq} tokens for {path};"
                 " try a smaller --ctx"
@@ -309,6 +338,11 @@ class LlamaCppBackend:
 
     def kv_tokens(self, seq: int) -> list[int]:
         return self._ledger.tokens(seq)
+
+    def kv_state_bytes(self, seq: int) -> int:
+        """Bytes llama.cpp would write to save `seq`'s KV cache: what its cached tokens
+        occupy in the cache's element type (a measure of --kv-cache-type's saving)."""
+        return int(_lc.llama_state_seq_get_size(self._ctx, seq))
 
     def close(self) -> None:
         if self._embedder is not None:

@@ -7,6 +7,11 @@ rejection and prefix reuse work as on llama.cpp. On Linux MLX runs on the CPU
 
 Sequences are run one after another inside `decode`: the seam allows a batched MLX step
 later without changing the engine.
+
+`kv_cache_type` q8_0 / q4_0 puts mlx-lm's QuantizedKVCache (8 or 4 bits, an f16 scale
+and bias per group of 64 values) in place of each layer's plain KVCache; attention
+then runs on the quantized keys and values directly. Layers with another cache kind
+(sliding-window rotating caches, recurrent state) keep theirs: those are bounded already.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import numpy as np
 
 from localrun.errors import BackendUnavailableError, ModelLoadError
 
+from . import check_kv_cache_type
 from .base import BatchEntry, KvLedger, ModelInfo, check_batch
+
+_KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
 
 
 def _import_mlx():
@@ -83,7 +91,16 @@ def _piece_table(hf, n_vocab: int, special: set[int]) -> list[bytes]:
 class MLXBackend:
     name = "mlx"
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, n_seq: int = 1, n_batch: int = 512, **_ignored) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        n_ctx: int | None = None,
+        n_seq: int = 1,
+        n_batch: int = 512,
+        kv_cache_type: str = "f16",
+        **_ignored,
+    ) -> None:
+        self.kv_cache_type = check_kv_cache_type(kv_cache_type)
         mx, make_prompt_cache, load = _import_mlx()
         self._mx = mx
         path = Path(path)
@@ -98,10 +115,6 @@ class MLXBackend:
         self.n_ctx = int(n_ctx or min(4096, n_ctx_train))
         self.n_seq = int(n_seq)
         self.n_batch = int(n_batch)
-        self._make_cache = lambda: make_prompt_cache(self._model)
-        self._caches = [self._make_cache() for _ in range(self.n_seq)]
-        self._offsets = [0] * self.n_seq
-        self._ledger = KvLedger(self.n_seq)
         hf = self._hf
         self.n_vocab = int(config.get("vocab_size") or len(hf))
         self._special = set(hf.all_special_ids)
@@ -111,6 +124,34 @@ class MLXBackend:
         self._pieces = _piece_table(hf, self.n_vocab, self._special)
         stop = set(wrapper.eos_token_ids or [])
         self.info = self._read_info(path, config, n_ctx_train, stop)
+        self._make_cache = self._cache_maker(make_prompt_cache)
+        self._caches = [self._make_cache() for _ in range(self.n_seq)]
+        self._offsets = [0] * self.n_seq
+        self._ledger = KvLedger(self.n_seq)
+
+    def _cache_maker(self, make_prompt_cache):
+        """A function that makes one sequence's per-layer caches in the asked element type."""
+        model, bits = self._model, _KV_BITS[self.kv_cache_type]
+        if bits is None:
+            return lambda: make_prompt_cache(model)
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+        flag = f"--kv-cache-type {self.kv_cache_type}"
+        head_dim = self.info.head_dim
+        # mx.quantize groups along the head dimension, which must split into whole groups.
+        group = next((g for g in (64, 32) if head_dim % g == 0), None)
+        if group is None:
+            raise ModelLoadError(f"{flag} needs a head size divisible by 32; this model's is {head_dim}: use f16")
+        if not any(type(c) is KVCache for c in make_prompt_cache(model)):
+            raise ModelLoadError(f"{flag}: this MLX model has no plain KV cache layer to quantize; use f16")
+
+        def make():
+            return [
+                QuantizedKVCache(group_size=group, bits=bits) if type(c) is KVCache else c
+                for c in make_prompt_cache(model)
+            ]
+
+        return make
 
     def _read_info(self, path: Path, cfg: dict, n_ctx_train: int, stop: set[int]) -> ModelInfo:
         hf = self._hf
@@ -218,9 +259,10 @@ class MLXBackend:
         drop = self._offsets[seq] - n_keep
         if drop <= 0:
             return
-        for c in self._caches[seq]:
-            if not c.is_trimmable():
-                raise ModelLoadError("this MLX model's cache cannot be trimmed")
+        caches = self._caches[seq]
+        if not all(c.is_trimmable() for c in caches):  # check all first: never cut half the layers
+            raise ModelLoadError("this MLX model's cache cannot be cut back (a rotating window is full)")
+        for c in caches:
             c.trim(drop)
         self._offsets[seq] = n_keep
         self._ledger.trimmed(seq, n_keep)
@@ -229,10 +271,17 @@ class MLXBackend:
         n = min(n, self._offsets[src])
         fresh = self._make_cache()
         for s, d in zip(self._caches[src], fresh):
-            keys, values, _ = s.state
-            if keys is not None and n:
-                # slicing makes new arrays: writes into dst never reach src
-                d.state = (keys[..., :n, :], values[..., :n, :], n)
+            if getattr(s, "keys", None) is None or not n:
+                continue
+            # Slicing makes new arrays, so writes into dst never reach src. A quantized
+            # layer holds (data, scales, biases) for keys and for values, each with the
+            # positions on axis -2 like a plain cache: every part is cut at n alike.
+            if isinstance(s.keys, (tuple, list)):
+                d.keys = tuple(x[..., :n, :] for x in s.keys)
+                d.values = tuple(x[..., :n, :] for x in s.values)
+            else:
+                d.keys, d.values = s.keys[..., :n, :], s.values[..., :n, :]
+            d.offset = n
         self._caches[dst] = fresh
         self._offsets[dst] = n
         self._ledger.copied(src, dst, n)
@@ -244,6 +293,19 @@ class MLXBackend:
 
     def kv_tokens(self, seq: int) -> list[int]:
         return self._ledger.tokens(seq)
+
+    def kv_state_bytes(self, seq: int) -> int:
+        """Bytes `seq`'s cached positions occupy in the cache's element type (the
+        caches' spare capacity, allocated in steps of 256 positions, not counted)."""
+        from mlx.utils import tree_flatten
+
+        total = 0
+        for c in self._caches[seq]:
+            held = min(getattr(c, "offset", 0), self._offsets[seq])
+            for _, a in tree_flatten((getattr(c, "keys", None), getattr(c, "values", None))):
+                if a is not None and a.ndim >= 2 and a.shape[-2]:
+                    total += a.nbytes // a.shape[-2] * min(held, a.shape[-2])
+        return total
 
     def close(self) -> None:
         self._caches = []

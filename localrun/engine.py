@@ -130,10 +130,19 @@ class Engine:
         n_seq: int = 1,
         threads: int | None = None,
         n_batch: int = 512,
+        kv_cache_type: str | None = None,
     ) -> "Engine":
+        """kv_cache_type: "f16" (None means f16), "q8_0" or "q4_0", the KV cache's element type."""
+        from localrun.backends import check_kv_cache_type
+
         if n_ctx is not None and n_ctx < 16:
             raise BadRequestError(f"--ctx must be at least 16 tokens, got {n_ctx}")
-        return cls(open_backend(path, n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch))
+        kv_cache_type = check_kv_cache_type(kv_cache_type)  # before any model is read
+        return cls(
+            open_backend(
+                path, n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch, kv_cache_type=kv_cache_type
+            )
+        )
 
     def close(self) -> None:
         self.backend.close()
@@ -203,8 +212,6 @@ class Engine:
         gen.timings.prompt_tokens = len(tokens)
         gen.timings.cached_tokens = n_keep
         gen._t_start = time.perf_counter()
-        if gen.max_tokens == 0:
-            self._finish(gen, "length")
         return gen
 
     @property
@@ -230,24 +237,16 @@ class Engine:
     def _pick_slot(self, tokens: list[int]) -> tuple[int, int]:
         """The free slot whose KV shares the longest prefix with `tokens`, and how many
         of those cached tokens to keep. At least the last prompt token is always fed
-        again (its logits start the answer). A sliding-window model keeps a slot only
-        while nothing has left its window (older positions may be gone from the cache)."""
+        again (its logits start the answer). A cache that cannot be cut back that far
+        (an MLX rotating window) makes `kv_trim` refuse, and `start` falls back to a
+        fresh slot."""
         best, keep = self._free[0], 0
-        window = self.info.sliding_window
         for seq in self._free:
-            cached = self.backend.kv_tokens(seq)
-            if window and len(cached) > window:
-                continue
-            n = min(_common_prefix(cached, tokens), len(tokens) - 1)
+            n = min(_common_prefix(self.backend.kv_tokens(seq), tokens), len(tokens) - 1)
             if n > keep:
                 best, keep = seq, n
         self._free.remove(best)
         return best, keep
-
-    def cached_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens` a request starting now would find in a free slot's KV."""
-        kv = self.backend.kv_tokens
-        return max((min(_common_prefix(kv(s), tokens), len(tokens) - 1) for s in self._free), default=0)
 
     def release(self, gen: Generation) -> None:
         """Give the generation's slot back; its KV stays for the next prompt that shares
@@ -257,22 +256,25 @@ class Engine:
         if not gen.done:
             gen.finish_reason = "cancelled"
 
-    def step(self, gens: Sequence[Generation]) -> dict[int, Event]:
-        """One backend decode across every unfinished generation; events keyed by seq."""
+    def step(self, gens: Sequence[Generation], budget: int | None = None) -> dict[int, Event]:
+        """One backend decode across every unfinished generation; events keyed by seq.
+        `budget` caps the tokens of this step (default and ceiling: the backend's n_batch)."""
         live = [g for g in gens if not g.done]
         # decoding sequences first: their single token must not wait behind a prefill
         live.sort(key=lambda g: len(g.pending) > 1)
-        budget = self.backend.n_batch
+        budget = self.backend.n_batch if budget is None else max(1, min(budget, self.backend.n_batch))
         batch: list[BatchEntry] = []
         owners: list[tuple[Generation, list[int]]] = []
         for g in live:
             if budget <= 0:
                 break
             pend = g.pending
-            draft = self._draft(g, budget - 1) if len(pend) == 1 else []
+            draft = self._draft(g, budget - 1) if len(pend) == 1 and g.max_tokens else []
             chunk = pend[:budget] + draft
             last = len(chunk) == len(pend) + len(draft)
-            batch.append(BatchEntry(g.seq, chunk, g.n_cached, 1 + len(draft) if last else 0))
+            # max_tokens 0 reads the prompt into the slot and stops: no logits needed
+            wants = 1 + len(draft) if last and g.max_tokens else 0
+            batch.append(BatchEntry(g.seq, chunk, g.n_cached, wants))
             owners.append((g, draft))
             budget -= len(chunk)
         if not batch:
@@ -284,6 +286,9 @@ class Engine:
         for (g, draft), e, r in zip(owners, batch, rows):
             if not e.n_logits:
                 g.n_cached += len(e.tokens)
+                if not g.max_tokens and not g.pending:
+                    g.timings.prefill_ms = (now - g._t_start) * 1000
+                    events[g.seq] = self._finish(g, "length")
                 continue
             n_known = len(e.tokens) - len(draft)
             if g.lookup is not None and n_known == 1:  # a decode step, not a prefill
@@ -327,7 +332,12 @@ class Engine:
             kept += 1
         g.n_cached += n_known + kept
         if g.n_cached < fed and not g.done:
-            self.backend.kv_trim(g.seq, g.n_cached)
+            try:
+                self.backend.kv_trim(g.seq, g.n_cached)
+            except LocalrunError:  # a cache that cannot be cut (an MLX rotating window)
+                self.backend.kv_clear(g.seq)
+                g.n_cached = 0  # the next steps read the history again
+                g.lookup = None  # and stop drafting, which would need the cut again
         t = g.timings
         t.steps += 1
         t.drafted += len(draft)
@@ -393,6 +403,11 @@ class Engine:
         if len(g.output) >= g.max_tokens:
             return self._finish(g, "length", token, text)
         return Event(text, [token])
+
+    def finish(self, g: Generation, reason: str = "length") -> Event:
+        """End a generation early (a time budget ran out): the last event, with any text
+        the stop matcher and UTF-8 decoder still held."""
+        return self._finish(g, reason)
 
     def _finish(self, g: Generation, reason: str, token: int | None = None, text: str = "", flush: bool = True) -> Event:
         if flush:

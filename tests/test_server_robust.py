@@ -21,7 +21,9 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 150  # ~1.5k tokens
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-    srv = Server("--model", str(smollm2_gguf), "--ctx", "2048", "--parallel", "2", "--queue", "2",
+    # one thread: the step time (which bounds how soon a hang-up frees a slot) stays short
+    # even when other processes share the cores
+    srv = Server("--model", str(smollm2_gguf), "--ctx", "2048", "--parallel", "2", "--queue", "2", "--threads", "1",
                  "--max-body", "200000", "--batch", "128")
     yield srv
     srv.stop()
@@ -80,10 +82,15 @@ def test_cors_allows_local_origins(server, origin):
 @pytest.mark.parametrize("origin", ["https://evil.com", "http://localhost.evil.com", "null"])
 def test_cors_refuses_other_origins(server, origin):
     r = httpx.get(server.url + "/api/version", headers={"Origin": origin})
-    assert "access-control-allow-origin" not in r.headers
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
     pre = httpx.options(server.url + "/v1/chat/completions",
                         headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in pre.headers
+    # a "simple" request a page may send without a preflight must not run either
+    simple = httpx.post(server.url + "/completion", content=b'{"prompt": "hi", "n_predict": 1}',
+                        headers={"Origin": origin, "Content-Type": "text/plain"})
+    assert simple.status_code == 403
+    assert busy(server) == (0, 0)
 
 
 def test_api_key(keyed):
@@ -121,6 +128,8 @@ def test_oversized_body_is_413(server):
         ("/tokenize", {"content": 3}, "content"),
         ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
         ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "keep_alive": "soon"}, "keep_alive"),
+        ("/completion", b'{"prompt": "\\ud800"}', "surrogate"),
+        ("/completion", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "nests"),
     ],
 )
 def test_malformed_requests_are_400_naming_the_field(server, path, body, field):
@@ -190,6 +199,13 @@ def test_disconnect_while_queued_and_full_queue(server):
     for s in hogs:
         s.close()
     wait_until(lambda: busy(server) == (0, 0), 0.5)
+
+
+def test_a_refused_request_never_runs(server):
+    for _ in range(3):  # more than the slots: a leak would leave them busy
+        r = httpx.post(server.url + "/completion", json={"prompt": "Tell a story", "stream": "yes"}, timeout=30)
+        assert r.status_code == 400 and "stream" in r.text
+    assert busy(server) == (0, 0)
 
 
 def test_server_survives_a_flood_of_bad_requests(server):

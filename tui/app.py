@@ -374,7 +374,7 @@ def run_chat(args, interactive: bool | None = None) -> int:
     store = ConversationStore.open()
     app = None
     try:
-        app = ChatApp(ChatSession(n_ctx=args.ctx, threads=args.threads), settings, store, initial_model(args, store))
+        app = ChatApp(ChatSession(n_ctx=args.ctx, threads=args.threads, kv_cache_type=getattr(args, "kv_cache_type", "f16")), settings, store, initial_model(args, store))
         app.run()
     finally:
         store.close()

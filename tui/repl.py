@@ -15,7 +15,8 @@ def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     from localrun.errors import LocalrunError
 
     sampling = sampling_from_args(args)
-    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads) as engine:
+    kv = getattr(args, "kv_cache_type", "f16")
+    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=kv) as engine:
         system = [{"role": "system", "content": args.system}] if args.system else []
         history: list[dict] = []
         interactive = stdin.isatty()

@@ -46,7 +46,10 @@ def resolve(name_or_path: str) -> tuple[Path, str]:
 
 
 class ChatSession:
-    def __init__(self, n_ctx: int | None = None, threads: int | None = None, opener=Engine.open) -> None:
+    def __init__(
+        self, n_ctx: int | None = None, threads: int | None = None, opener=Engine.open, kv_cache_type: str = "f16"
+    ) -> None:
+        self.kv_cache_type = kv_cache_type
         self.n_ctx = n_ctx
         self.threads = threads
         self._open = opener
@@ -62,7 +65,7 @@ class ChatSession:
                 self.engine.close()
                 self.engine = None
                 self.model_name = ""
-            self.engine = self._open(path, n_ctx=self.n_ctx, threads=self.threads)
+            self.engine = self._open(path, n_ctx=self.n_ctx, threads=self.threads, kv_cache_type=self.kv_cache_type)
             self.model_path = Path(path)
             self.model_name = name or display_name(Path(path))
 

@@ -24,6 +24,7 @@ def build_app(
     origins: list[str] | None = None,
     api_key: str | None = None,
     body_limit: int = 8 * 1024 * 1024,
+    bound_host: str = "",
 ):
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -44,4 +45,4 @@ def build_app(
 
     app = Starlette(routes=list(ROUTES), lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.localrun = ServerState(manager, body_limit)
-    return Guard(app, loopback, origins, api_key)
+    return Guard(app, loopback, origins, api_key, bound_host)

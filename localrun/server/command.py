@@ -23,13 +23,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadRequestError(f"--ctx must be at least 16 tokens, got {args.ctx}")
     for m in args.model or []:
         _resolve_path(m)  # a wrong --model fails now, not at the first request
+    if args.max_models < 1:
+        raise BadRequestError(f"--max-models must be at least 1, got {args.max_models}")
     if args.batch < 16:
         raise BadRequestError(f"--batch must be at least 16 tokens, got {args.batch}")
     manager = ModelManager(
         args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
-        args.batch,
+        args.batch, args.max_models, kv_cache_type=args.kv_cache_type,
     )
-    app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body)
+    app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body, args.host)
     print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
@@ -56,7 +58,12 @@ def add_commands(sub) -> None:
                    help="most tokens one step decodes (default 256): smaller lets a cancel or a new request"
                    " in sooner during a long prompt, larger reads prompts a little faster")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--kv-cache-type", choices=("f16", "q8_0", "q4_0"), default="f16",
+                   help="KV cache element type of every loaded model: q8_0 holds about half of f16's memory"
+                   " per token, q4_0 a quarter (default f16)")
     p.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
+    p.add_argument("--max-models", type=int, default=3,
+                   help="models loaded at once; the least recently used idle one makes room (default 3)")
     p.add_argument("--keep-alive", default="5m", help="unload a model idle this long (Ollama syntax; -1 = never)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",

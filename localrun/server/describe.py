@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..errors import UnsupportedFormatError
 from ..gguf_check import ArrayInfo, check_gguf
 from ..quant.catalog import file_type_name
 
@@ -102,7 +103,7 @@ def _describe_mlx(name: str, p: Path) -> Description:
     try:
         cfg = json.loads((p / "config.json").read_text())
     except (OSError, ValueError):
-        cfg = {}
+        raise UnsupportedFormatError(f"{name} is a folder without a readable config.json, not an MLX model") from None
     text = cfg.get("text_config", cfg)
     q = cfg.get("quantization")
     quant = f"{q['bits']}bit" if isinstance(q, dict) and "bits" in q else str(cfg.get("torch_dtype", "F16")).upper()

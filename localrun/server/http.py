@@ -5,6 +5,7 @@ streaming that stops generating when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 from typing import AsyncIterator, Awaitable, Callable
@@ -62,14 +63,16 @@ class Guard:
     - Host check: a server on loopback answers only requests addressed to a loopback
       name, so a web page that rebinds its own DNS name to 127.0.0.1 gets 403.
     - CORS: browsers get Access-Control-Allow-Origin only for allowed origins (local
-      pages and editor webviews by default); other origins get no CORS headers.
+      pages and editor webviews by default); a request from any other origin gets 403.
     - API key: with --api-key, every route but /health needs `Authorization: Bearer KEY`
       (or `x-api-key`).
     """
 
-    def __init__(self, app, loopback: bool, origins: list[str] | None, api_key: str | None) -> None:
+    def __init__(self, app, loopback: bool, origins: list[str] | None, api_key: str | None, bound: str = "") -> None:
         self.app = app
         self.loopback = loopback
+        # the loopback names, and the address the server is bound to (127.0.0.2, ...)
+        self.hosts = LOOPBACK_HOSTS | ({_host_name(bound)} if bound else set())
         patterns = [re.escape(o) for o in origins] if origins else list(DEFAULT_ORIGINS)
         self.origin_re = re.compile("^(" + "|".join(patterns) + ")$")
         self.api_key = api_key
@@ -81,8 +84,14 @@ class Guard:
         path = scope["path"]
         origin = headers.get("origin")
         cors = origin is not None and bool(self.origin_re.match(origin))
-        if self.loopback and _host_name(headers.get("host", "")) not in LOOPBACK_HOSTS:
+        if self.loopback and _host_name(headers.get("host", "")) not in self.hosts:
             return await error_response(path, 403, "forbidden host: this server answers only localhost names")(scope, receive, send)
+        if origin is not None and not cors:
+            # a page from another site: refuse outright, or a "simple" text/plain POST
+            # (which a browser sends without asking first) would still run
+            return await error_response(path, 403, f"forbidden origin {origin}: start the server with --cors-origin")(
+                scope, receive, send
+            )
         if scope["method"] == "OPTIONS" and origin is not None:
             return await self._preflight(cors, origin, headers, scope, receive, send)
         if self.api_key and path != "/health" and not self._authorized(headers):
@@ -101,8 +110,8 @@ class Guard:
         await self.app(scope, receive, send_with_cors)
 
     def _authorized(self, headers: dict) -> bool:
-        auth = headers.get("authorization", "")
-        return auth == f"Bearer {self.api_key}" or headers.get("x-api-key") == self.api_key
+        given = headers.get("authorization", "").removeprefix("Bearer ") or headers.get("x-api-key", "")
+        return hmac.compare_digest(given.encode(), self.api_key.encode())
 
     @staticmethod
     def _with_cors(resp: Response, cors: bool, origin: str | None) -> Response:
@@ -148,26 +157,38 @@ async def read_json(request: Request, limit: int) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequestError("the request body nests too deeply") from None
     if not isinstance(data, dict):
         raise BadRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:  # "\ud800" is valid JSON but no text: refuse it here, not deep in a tokenizer
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequestError("the request body holds an unpaired UTF-16 surrogate escape (e.g. \\ud800)") from None
     return data
+
+
+async def _hang_up(request: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the only message
+    left to receive is the disconnect (polling `is_disconnected` misses it under uvicorn)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):
     """Await `work`; if the client hangs up first, call on_disconnect and raise CancelledError."""
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_hang_up(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                on_disconnect()
-                task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        on_disconnect()
+        raise asyncio.CancelledError("client disconnected")
     finally:
-        if not task.done():
-            task.cancel()
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
 
 
 def stream(request: Request, chunks: AsyncIterator[bytes], media_type: str, on_close: Callable[[], None]) -> StreamingResponse:
@@ -176,8 +197,7 @@ def stream(request: Request, chunks: AsyncIterator[bytes], media_type: str, on_c
     a request still queued or reading its prompt has no bytes to send that would fail."""
 
     async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        await _hang_up(request)
         on_close()
 
     async def guarded() -> AsyncIterator[bytes]:

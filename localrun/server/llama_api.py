@@ -4,6 +4,8 @@ one they go to the server's first --model, as llama-server serves one model."""
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
@@ -74,8 +76,30 @@ def _timings(t) -> dict:
     }
 
 
-async def _run(request: Request, b: Body, model, tokens: list[int], options: dict):
-    job = submit(model, tokens, options, b.float("t_max_predict_ms"))
+def _read_run_fields(b: Body) -> dict:
+    """Every field `_run` reads, checked before a job exists (a refused request never runs)."""
+    fields = b.list("response_fields")
+    if fields is not None and not all(isinstance(f, str) for f in fields):
+        raise BadRequestError("'response_fields' must be a list of field names")
+    return {"stream": b.bool("stream", False), "t_max_predict_ms": b.float("t_max_predict_ms"), "fields": fields}
+
+
+def _project(out: dict, fields: list[str] | None) -> dict:
+    """llama-server's response_fields: only these, nested ones as "timings/prompt_n" keys."""
+    if not fields:
+        return out
+    picked = {}
+    for path in fields:
+        value = out
+        for part in path.split("/"):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            picked[path] = value
+    return picked
+
+
+async def _run(request: Request, run: dict, model, tokens: list[int], options: dict):
+    job = submit(model, tokens, options, run["t_max_predict_ms"])
     eng, n_probs = model.engine, options["sampling"].n_probs
 
     def final(text: str, out_tokens: list[int], reason: str, t) -> dict:
@@ -87,7 +111,7 @@ async def _run(request: Request, b: Body, model, tokens: list[int], options: dic
             "has_new_line": "\n" in text, "timings": _timings(t),
         }
 
-    if b.bool("stream", False):
+    if run["stream"]:
 
         async def body():
             try:
@@ -111,7 +135,7 @@ async def _run(request: Request, b: Body, model, tokens: list[int], options: dic
     out = final(res.text, res.tokens, res.finish_reason, res.timings)
     if n_probs:
         out["completion_probabilities"] = _probs(eng, res.tokens, res.token_probs, res.top_probs)
-    return JSONResponse(out)
+    return JSONResponse(_project(out, run["fields"]))
 
 
 @route("POST", "/completion")
@@ -120,9 +144,10 @@ async def completion(request: Request):
     b = await st.body(request)
     if b.get("prompt") is None:
         raise BadRequestError("'prompt' is required")
-    options = _options(b)
+    options, run = _options(b), _read_run_fields(b)
     model = await st.manager.get(b.str("model"))
-    return await _run(request, b, model, _prompt_tokens(model.engine, b.get("prompt")), options)
+    tokens = await asyncio.to_thread(_prompt_tokens, model.engine, b.get("prompt"))
+    return await _run(request, run, model, tokens, options)
 
 
 @route("POST", "/infill")
@@ -135,10 +160,10 @@ async def infill(request: Request):
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str):
             raise BadRequestError(f"'input_extra[{i}]' must be an object with 'filename' and 'text' strings")
         extra.append((str(chunk.get("filename") or ""), chunk.get("text", "")))
-    options = _options(b)
+    options, run = _options(b), _read_run_fields(b)
     model = await st.manager.get(b.str("model"))
-    tokens = fim_tokens(model.engine, prefix, suffix, extra, middle, name=model.name)
-    return await _run(request, b, model, tokens, options)
+    tokens = await asyncio.to_thread(fim_tokens, model.engine, prefix, suffix, extra, middle, name=model.name)
+    return await _run(request, run, model, tokens, options)
 
 
 @route("POST", "/tokenize")
@@ -148,7 +173,8 @@ async def tokenize(request: Request):
     content = b.str("content", required=True)
     model = await st.manager.get(b.str("model"))
     eng = model.engine
-    ids = eng.backend.tokenize(content, add_special=b.bool("add_special", False), parse_special=b.bool("parse_special", True))
+    add_special, parse_special = b.bool("add_special", False), b.bool("parse_special", True)
+    ids = await asyncio.to_thread(eng.backend.tokenize, content, add_special, parse_special)
     if not b.bool("with_pieces", False):
         return JSONResponse({"tokens": ids})
     pieces = []
@@ -226,5 +252,6 @@ async def metrics(request: Request):
         for model in st.manager.loaded.values():
             processing, deferred = model.scheduler.counts()
             value = read(model.scheduler.stats, processing, deferred)
-            lines.append(f'llamacpp:{name}{{model="{model.name}"}} {value}')
+            label = model.name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+            lines.append(f'llamacpp:{name}{{model="{label}"}} {value}')
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from ..engine import Engine
 from ..errors import BadRequestError
-from .scheduler import Scheduler
+from .scheduler import QueueFullError, Scheduler
 
 DEFAULT_KEEP_ALIVE = 300.0
+REAP_GRACE_S = 2.0
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -77,14 +78,18 @@ class ModelManager:
         max_queue: int,
         keep_alive: float | None = DEFAULT_KEEP_ALIVE,
         n_batch: int = 256,
+        max_loaded: int = 3,
+        kv_cache_type: str = "f16",
     ) -> None:
         self.configured = {display_name(m): m for m in models}  # name -> path or store name
         self.default = display_name(models[0]) if models else None
         self.n_ctx, self.parallel, self.threads, self.max_queue = n_ctx, parallel, threads, max_queue
         self.keep_alive = keep_alive
         self.n_batch = n_batch
+        self.max_loaded = max_loaded
+        self.kv_cache_type = kv_cache_type
         self.loaded: dict[str, Loaded] = {}
-        self._lock = asyncio.Lock()
+        self._loading: dict[str, asyncio.Lock] = {}
 
     def resolve(self, name: str | None) -> tuple[str, str]:
         """(display name, path) for a request's model field; the default model when empty."""
@@ -102,34 +107,59 @@ class ModelManager:
     async def get(self, name: str | None, keep_alive=None) -> Loaded:
         display, path = self.resolve(name)
         ttl = self.keep_alive if keep_alive is None else parse_keep_alive(keep_alive)
-        async with self._lock:
-            model = self.loaded.get(display)
-            if model is None:
-                engine = await asyncio.to_thread(
-                    Engine.open, path, n_ctx=self.n_ctx, n_seq=self.parallel, threads=self.threads, n_batch=self.n_batch
-                )
-                model = Loaded(display, path, engine, Scheduler(engine, self.max_queue, display), ttl)
-                self.loaded[display] = model
-            model.keep_alive = ttl
-            model.last_used = time.monotonic()
-            return model
+        model = self.loaded.get(display)
+        if model is None:
+            # one lock per model: a model that is loading never delays the loaded ones
+            lock = self._loading.setdefault(display, asyncio.Lock())
+            async with lock:
+                model = self.loaded.get(display)
+                if model is None:
+                    await self._make_room()
+                    engine = await asyncio.to_thread(
+                        Engine.open, path, n_ctx=self.n_ctx, n_seq=self.parallel, threads=self.threads,
+                        n_batch=self.n_batch, kv_cache_type=self.kv_cache_type,
+                    )
+                    model = Loaded(display, path, engine, Scheduler(engine, self.max_queue, display), ttl)
+                    self.loaded[display] = model
+        model.keep_alive = ttl
+        model.last_used = time.monotonic()
+        return model
+
+    async def _make_room(self) -> None:
+        """Stay within max_loaded models: unload the least recently used idle one."""
+        if len(self.loaded) < self.max_loaded:
+            return
+        idle = [m for m in self.loaded.values() if not m.scheduler.busy]
+        if not idle:
+            raise QueueFullError(
+                f"{len(self.loaded)} models are loaded and busy (--max-models {self.max_loaded}); retry later"
+            )
+        await self.unload(min(idle, key=lambda m: m.last_used).name)
+
+    def expire(self, name: str) -> None:
+        """keep_alive 0 on a request that names a model but asks nothing: unload it as
+        soon as it is idle (not under a client that is still streaming)."""
+        model = self.loaded.get(name)
+        if model is not None:
+            model.keep_alive = 0.0
 
     def touch(self, model: Loaded) -> None:
         model.last_used = time.monotonic()
 
     async def unload(self, name: str) -> None:
-        async with self._lock:
-            model = self.loaded.pop(name, None)
+        model = self.loaded.pop(name, None)
         if model is not None:
             await asyncio.to_thread(_shutdown, model)
 
-    async def reap(self) -> None:
-        """Unload every idle model whose keep_alive has run out."""
+    async def reap(self, grace: float = REAP_GRACE_S) -> None:
+        """Unload every idle model whose keep_alive has run out. The grace covers the
+        moment between a request naming a model and its job reaching the queue (the
+        prompt is being tokenized), when the model is in use but not yet busy."""
         now = time.monotonic()
         for model in list(self.loaded.values()):
             if model.keep_alive is None or model.scheduler.busy:
                 continue
-            if now - model.last_used >= model.keep_alive:
+            if now - model.last_used >= max(model.keep_alive, grace):
                 await self.unload(model.name)
 
     async def close(self) -> None:

@@ -5,6 +5,7 @@ Streams are NDJSON (streaming is Ollama's default) ending in an object with
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import datetime, timezone
 
@@ -17,6 +18,7 @@ from .describe import describe
 from .fields import Body, messages, sampling_params
 from .fim import fim_tokens
 from .http import ndjson, stream
+from .models import parse_keep_alive
 from .runner import collect, events, submit
 from .state import embed_inputs, route, state
 
@@ -68,17 +70,18 @@ def _done_reason(reason: str | None) -> str:
 async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
     """Ollama loads (or, with keep_alive 0, unloads) a model on a request without input."""
     keep = b.get("keep_alive")
-    if keep is not None and str(keep).strip() in ("0", "0s", "0m"):
+    if keep is not None and parse_keep_alive(keep) == 0:
         display, _ = st.manager.resolve(name)
-        await st.manager.unload(display)
+        st.manager.expire(display)
+        await st.manager.reap(grace=0)  # now if idle; else once its last client is done
         return JSONResponse({"model": name, "created_at": _now(), key: empty, "done": True, "done_reason": "unload"})
     await st.manager.get(name, keep)
     return JSONResponse({"model": name, "created_at": _now(), key: empty, "done": True, "done_reason": "load"})
 
 
-async def _answer(request: Request, model, job, b: Body, name: str, shape, load_ns: int, started: float, tokens):
+async def _answer(request: Request, model, job, streaming: bool, name: str, shape, load_ns: int, started: float, tokens):
     """Stream (default) or one object; `shape(text)` wraps a piece of output."""
-    if b.bool("stream", True):
+    if streaming:
 
         async def body():
             try:
@@ -123,10 +126,11 @@ async def chat(request: Request):
         return await _load_only(st, b, name or "", "message", {"role": "assistant", "content": ""})
     msgs = messages(b)
     options = _options(b)
+    streaming = b.bool("stream", True)
     name, model, load_ns = await _model(st, b)
-    tokens = model.engine.chat_prompt(msgs)
+    tokens = await asyncio.to_thread(model.engine.chat_prompt, msgs)
     job = submit(model, tokens, options)
-    return await _answer(request, model, job, b, name,
+    return await _answer(request, model, job, streaming, name,
                          lambda text: {"message": {"role": "assistant", "content": text}}, load_ns, started, None)
 
 
@@ -144,26 +148,27 @@ async def generate(request: Request):
     context = b.list("context") or []
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise BadRequestError("'context' must be a list of token ids")
+    streaming, raw = b.bool("stream", True), b.bool("raw", False)
     name, model, load_ns = await _model(st, b)
     eng = model.engine
     if suffix is not None:
-        tokens = fim_tokens(eng, prompt, suffix, name=name)
-    elif b.bool("raw", False):
-        tokens = context + eng.tokenize(prompt, add_special=not context)
+        tokens = await asyncio.to_thread(fim_tokens, eng, prompt, suffix, name=name)
+    elif raw:
+        tokens = context + await asyncio.to_thread(eng.tokenize, prompt, not context)
     else:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        tokens = context + eng.chat_prompt(msgs)
+        tokens = context + await asyncio.to_thread(eng.chat_prompt, msgs)
     job = submit(model, tokens, options)
-    return await _answer(request, model, job, b, name, lambda text: {"response": text}, load_ns, started, tokens)
+    return await _answer(request, model, job, streaming, name, lambda text: {"response": text}, load_ns, started, tokens)
 
 
 @route("GET", "/api/tags")
 async def tags(request: Request):
     st = state(request)
     out = []
-    for name, path in st.manager.available():
+    for name, path in await asyncio.to_thread(st.manager.available):
         try:
-            d = describe(name, path)
+            d = await asyncio.to_thread(describe, name, path)
         except Exception:  # an unreadable file is left out of the list, not a failed listing
             continue
         out.append({"name": name, "model": name, "modified_at": d.modified_at, "size": d.size_bytes,
@@ -180,12 +185,14 @@ async def show(request: Request):
         raise BadRequestError("'model' is required")
     display, path = st.manager.resolve(name)
     loaded = st.manager.loaded.get(display)
-    d = describe(name, path, loaded.engine if loaded else None)
+    d = await asyncio.to_thread(describe, name, path, loaded.engine if loaded else None)
     arch = d.architecture
+    # the context this server gives a request (what a client may fill), not the trained one
+    served = loaded.engine.n_ctx if loaded else (st.manager.n_ctx or min(4096, d.context_length or 4096))
     info = {"general.architecture": arch, "general.parameter_count": d.n_params,
-            f"{arch}.context_length": d.context_length, f"{arch}.embedding_length": d.embedding_length}
+            f"{arch}.context_length": served, f"{arch}.embedding_length": d.embedding_length}
     return JSONResponse(
-        {"modelfile": f"FROM {path}\n", "parameters": "", "template": d.chat_template or "",
+        {"modelfile": f"FROM {path}\n", "parameters": f"num_ctx {served}", "template": d.chat_template or "",
          "details": d.details(), "model_info": info, "capabilities": d.capabilities(), "modified_at": d.modified_at}
     )
 

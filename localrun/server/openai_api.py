@@ -5,6 +5,7 @@ field is accepted too, as llama-server's own /v1 routes do."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -91,8 +92,9 @@ async def chat_completions(request: Request):
     n_top = b.int("top_logprobs", 0, lo=0) if want_lp else 0
     options = _options(b, max(n_top, 1) if want_lp else 0)
     msgs = messages(b)
+    streaming, include_usage = b.bool("stream", False), b.obj("stream_options").bool("include_usage", False)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
-    tokens = model.engine.chat_prompt(msgs)
+    tokens = await asyncio.to_thread(model.engine.chat_prompt, msgs)
     job = submit(model, tokens, options)
     cid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model.name
     eng = model.engine
@@ -101,8 +103,7 @@ async def chat_completions(request: Request):
         choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name, "choices": [choice]}
 
-    if b.bool("stream", False):
-        include_usage = b.obj("stream_options").bool("include_usage", False)
+    if streaming:
 
         async def body():
             yield sse(chunk({"role": "assistant", "content": ""}))
@@ -146,18 +147,22 @@ async def completions(request: Request):
     prompt = b.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # a batch of one prompt
+    suffix = b.str("suffix")
+    if suffix is not None and not isinstance(prompt, str):
+        raise BadRequestError("'prompt' must be a string when 'suffix' is given")
+    if not isinstance(prompt, str) and not (
+        isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        raise BadRequestError("'prompt' must be a string or a list of token ids")
+    streaming, include_usage = b.bool("stream", False), b.obj("stream_options").bool("include_usage", False)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
     eng = model.engine
-    if b.has("suffix"):
-        if not isinstance(prompt, str):
-            raise BadRequestError("'prompt' must be a string when 'suffix' is given")
-        tokens = fim_tokens(eng, prompt, b.str("suffix"))
+    if suffix is not None:
+        tokens = await asyncio.to_thread(fim_tokens, eng, prompt, suffix, name=model.name)
     elif isinstance(prompt, str):
-        tokens = eng.tokenize(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        tokens = list(prompt)
+        tokens = await asyncio.to_thread(eng.tokenize, prompt)
     else:
-        raise BadRequestError("'prompt' must be a string or a list of token ids")
+        tokens = list(prompt)
     job = submit(model, tokens, options)
     cid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model.name
 
@@ -165,8 +170,7 @@ async def completions(request: Request):
         choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
         return {"id": cid, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
 
-    if b.bool("stream", False):
-        include_usage = b.obj("stream_options").bool("include_usage", False)
+    if streaming:
 
         async def body():
             offset = 0

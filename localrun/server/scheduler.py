@@ -24,7 +24,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine import Engine, Event, Generation
+from ..engine import Engine, Generation
 from ..errors import LocalrunError
 
 
@@ -45,6 +45,7 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     gen: Generation | None = None
+    has_newline: bool = False  # for t_max_predict_ms
     _t_first: float | None = None
 
     def post(self, item) -> None:
@@ -70,9 +71,39 @@ class Stats:
     requests_done: int = 0
 
 
+class StepBudget:
+    """How many tokens one step may carry so that it lasts about `target_s`.
+
+    A step is the unit of everything the scheduler does between decodes: a hang-up is
+    noticed, a new request joins, every decoding stream gets its next token. A long
+    prompt read in n_batch chunks would make a step last seconds on a CPU (a 256-token
+    chunk of a small model takes ~1 s on one busy core), so prompt chunks are sized from
+    the measured throughput instead; on a GPU the rate is high and n_batch is the cap."""
+
+    def __init__(self, n_batch: int, target_s: float = 0.15, start: int = 32) -> None:
+        self.n_batch, self.target_s = n_batch, target_s
+        self.rate: float | None = None  # tokens per second, smoothed
+        self.start = min(start, n_batch)
+
+    def tokens(self) -> int:
+        if self.rate is None:
+            return self.start
+        return max(MIN_CHUNK, min(self.n_batch, int(self.rate * self.target_s)))
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens < MIN_CHUNK or seconds <= 0:  # decode-only steps say little about prompt speed
+            return
+        rate = n_tokens / seconds
+        self.rate = rate if self.rate is None else 0.7 * self.rate + 0.3 * rate
+
+
+MIN_CHUNK = 16  # below this, per-step overhead outweighs the latency won
+
+
 class Scheduler:
     def __init__(self, engine: Engine, max_queue: int = 64, name: str = "") -> None:
         self.engine = engine
+        self.budget = StepBudget(engine.backend.n_batch)
         self.max_queue = max_queue
         self.stats = Stats()
         self._waiting: deque[Job] = deque()
@@ -191,21 +222,23 @@ class Scheduler:
             job = self._waiting.popleft()
             try:
                 job.gen = self.engine.start(job.tokens, **job.options)
-            except LocalrunError as exc:
+            except Exception as exc:  # refuse this request; the others go on
+                if not isinstance(exc, LocalrunError):
+                    traceback.print_exc(file=sys.stderr)
+                    exc = LocalrunError(f"could not start the generation: {exc}")
                 job.post(exc)
                 job.post(END)
-                continue
-            if job.gen.done:  # max_tokens 0
-                job.post(Event("", [], job.gen.finish_reason, job.gen.timings))
-                self._end(job, END)
                 continue
             self._active.append(job)
 
     def _step(self, active: list[Job]) -> None:
         gens = [j.gen for j in active]
-        events = self.engine.step(gens)
-        self.stats.decode_calls += 1
+        before = sum(g.n_cached for g in gens)
+        t0 = time.perf_counter()
+        events = self.engine.step(gens, self.budget.tokens())
         now = time.perf_counter()
+        self.budget.observe(sum(g.n_cached for g in gens) - before, now - t0)
+        self.stats.decode_calls += 1
         with self._cv:
             for job in active:
                 ev = events.get(job.gen.seq)
@@ -215,21 +248,24 @@ class Scheduler:
                     job._t_first = now
                     self.stats.prompt_tokens += job.gen.timings.prompt_tokens - job.gen.timings.cached_tokens
                     self.stats.prompt_seconds += job.gen.timings.prefill_ms / 1000
-                elif (
-                    job.t_max_predict_ms is not None
-                    and not job.gen.done
-                    and (now - job._t_first) * 1000 >= job.t_max_predict_ms
-                ):
-                    # llama-server's t_max_predict_ms: an editor's time budget for a completion
-                    job.gen.finish_reason = "length"
-                    ev = Event(ev.text, ev.tokens, "length", job.gen.timings, ev.top_probs, ev.token_probs)
                 job.post(ev)
+                job.has_newline = job.has_newline or "\n" in ev.text
+                if self._out_of_time(job, now):
+                    job.post(self.engine.finish(job.gen, "length"))
                 if job.gen.done:
                     t = job.gen.timings
                     self.stats.predicted_tokens += t.generated_tokens
                     self.stats.predicted_seconds += t.decode_ms / 1000
                     self.stats.requests_done += 1
                     self._end(job, END)
+
+    def _out_of_time(self, job: Job, now: float) -> bool:
+        """llama-server's t_max_predict_ms, an editor's time budget for a completion: it
+        applies once the answer has a newline (a one-line completion always finishes)."""
+        limit = job.t_max_predict_ms
+        if not limit or limit <= 0 or job.gen.done or job._t_first is None:
+            return False
+        return job.has_newline and (now - job._t_first) * 1000 >= limit
 
     def _end(self, job: Job, item) -> None:
         """Release the job's slot and close its stream (call with the lock held)."""

@@ -67,7 +67,7 @@ async def embed_inputs(model: Loaded, b: Body, key: str) -> tuple[list[list[floa
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise BadRequestError(f"'{key}' must be a string or a non-empty list of strings")
     eng = model.engine
-    token_lists = [eng.tokenize(t) for t in texts]
+    token_lists = await asyncio.to_thread(lambda: [eng.tokenize(t) for t in texts])
     for i, toks in enumerate(token_lists):
         if not toks:
             raise BadRequestError(f"'{key}[{i}]' is empty")
