@@ -35,11 +35,17 @@ def test_max_tokens_ends_with_length():
     assert events[-1].timings.generated_tokens == 3
 
 
-def test_max_tokens_zero_generates_nothing():
+def test_max_tokens_zero_reads_the_prompt_and_generates_nothing():
+    """An editor's cache warm-up (llama.vim sends n_predict 0): the prompt lands in the
+    slot's KV, no logits are asked for, no token comes out."""
     eng = Engine(ScriptedBackend(text_script(b"abc")))
     text, events = collect(eng, "Q:", max_tokens=0)
     assert text == "" and events[-1].finish_reason == "length"
-    assert eng.backend.calls == []
+    assert [[(e.tokens, e.n_logits) for e in call] for call in eng.backend.calls] == [[([81, 58], 0)]]
+    assert eng.backend.kv_tokens(0) == [81, 58]
+    # the next request on the same prompt finds it cached and feeds only the last token
+    gen = eng.start("Q:", max_tokens=1)
+    assert gen.timings.cached_tokens == 1
 
 
 def test_multibyte_characters_never_split():
