@@ -33,13 +33,15 @@ class StopMatcher:
     def __init__(self, stops: list[str] | None) -> None:
         self.stops = [s for s in (stops or []) if s]
         self._held = ""
+        self.matched: str | None = None  # the stop string that hit, once one has
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
         buf = self._held + text
-        hit = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if hit >= 0:
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            hit, self.matched = min(found)
             self._held = ""
             return buf[:hit], True
         keep = self._partial_suffix(buf)

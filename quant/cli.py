@@ -134,10 +134,23 @@ def _quantize_mlx_cmd(args: argparse.Namespace, src: Path) -> int:
     out = Path(args.output).expanduser() if args.output else _default_out(src, f"{args.bits}bit", folder=True)
     quantize_mlx(src, out, bits=args.bits, group_size=args.group_size, recipe=args.recipe,
                  allow_requantize=args.allow_requantize, progress=_say)
-    if not args.no_quality:
+    if args.no_quality:
+        pass
+    elif _mlx_is_fast():
         _report(src, out, args)
+    else:
+        # Off Apple silicon MLX runs on the CPU, and its quantized matmuls there take
+        # seconds per token: the report would take hours, so it is left to the user.
+        _say(f"quality report skipped: MLX runs on the CPU here; to measure anyway run: "
+             f"localrun quality {out} --base {src}")
     print(out)
     return 0
+
+
+def _mlx_is_fast() -> bool:
+    import platform
+
+    return sys.platform == "darwin" and platform.machine() == "arm64"
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

@@ -288,3 +288,9 @@ def test_keep_alive_zero_unloads_and_negative_keeps(olm, server):
     while FIM_MODEL in {m.model for m in olm.ps().models}:
         assert time.monotonic() < deadline, "not unloaded 10 s after a 1 s keep_alive"
         time.sleep(0.2)
+
+
+def test_completion_reports_the_stop_word(server):
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, "stop": [" 6"]}
+    r = httpx.post(server.url + "/completion", json=body, timeout=60).json()
+    assert r["stop_type"] == "word" and r["stopping_word"] == " 6" and "6" not in r["content"]

@@ -59,6 +59,13 @@ def _probs(eng, tokens, chosen, tops) -> list[dict]:
     ]
 
 
+def _stop_type(job, reason: str) -> str:
+    """llama-server's names: "limit" (n_predict or time), "word" (a stop string), "eos"."""
+    if reason == "length":
+        return "limit"
+    return "word" if job.gen is not None and job.gen.stops.matched else "eos"
+
+
 def _timings(t) -> dict:
     prompt_n = t.prompt_tokens - t.cached_tokens
     return {
@@ -107,7 +114,7 @@ async def _run(request: Request, run: dict, model, tokens: list[int], options: d
             "index": 0, "content": text, "tokens": out_tokens, "id_slot": job.gen.seq if job.gen else -1,
             "stop": True, "model": model.name, "tokens_predicted": t.generated_tokens,
             "tokens_evaluated": t.prompt_tokens, "tokens_cached": t.cached_tokens, "truncated": False,
-            "stop_type": "limit" if reason == "length" else "eos", "stopping_word": "",
+            "stop_type": _stop_type(job, reason), "stopping_word": (job.gen.stops.matched or "") if job.gen else "",
             "has_new_line": "\n" in text, "timings": _timings(t),
         }
 
