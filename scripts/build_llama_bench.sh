@@ -33,7 +33,7 @@ root="$tools/llama.cpp-$VER"
 src="$root/src"
 build="$root/build"
 bin="$build/bin"
-targets=(llama-bench llama-server llama-batched-bench)
+targets=(llama-bench llama-server llama-batched-bench llama-quantize llama-imatrix llama-perplexity)
 
 have_all() {
     local t

@@ -1,0 +1,223 @@
+"""ctypes bindings to the few ggml functions quantization needs.
+
+llama-cpp-python ships libggml-base next to libllama; its exported
+`ggml_quantize_chunk` is the very kernel llama.cpp's quantizer runs, and unlike
+`llama_model_quantize` it takes an importance matrix as a plain `const float *` (one
+weight per input column), so Python can hand one over.
+
+    q = quantize_rows(GGML_TYPE_Q4_K, w_f32_2d, imatrix=None)   # -> bytes-like uint8 array
+
+The eval-callback helpers (`tensor_view`, `op_name`) let the imatrix collector read a
+`struct ggml_tensor` handed to `cb_eval`. The struct layout is ggml's public one
+(ggml.h); `_check_layout` compares it against values the library reports about a
+tensor it made, so a ggml that changed the struct fails loudly instead of reading junk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from localrun.errors import BackendUnavailableError, BadRequestError
+
+GGML_MAX_DIMS = 4
+GGML_MAX_OP_PARAMS = 64
+GGML_MAX_SRC = 10
+GGML_MAX_NAME = 64
+
+
+class GgmlTensor(ctypes.Structure):
+    """`struct ggml_tensor` from ggml.h (the fields the imatrix collector reads)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+def _lib_dir() -> Path:
+    try:
+        import llama_cpp
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise BackendUnavailableError(
+            f"llama-cpp-python is not installed ({e}); run: pip install llama-cpp-python"
+        ) from e
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+@lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    """libggml-base with argument types declared (loaded once)."""
+    import llama_cpp  # noqa: F401 - loads libllama first, which pulls in the same libggml
+
+    folder = _lib_dir()
+    names = ["libggml-base.so", "libggml-base.dylib", "ggml-base.dll"]
+    path = next((folder / n for n in names if (folder / n).exists()), None)
+    if path is None:
+        raise BackendUnavailableError(
+            f"llama-cpp-python's lib folder ({folder}) has no libggml-base; "
+            "reinstall llama-cpp-python"
+        )
+    # RTLD_GLOBAL|NOLOAD semantics are not needed: the dynamic loader hands back the
+    # copy libllama already mapped, so both sides share ggml's quantization tables.
+    g = ctypes.CDLL(str(path))
+    i64, sz = ctypes.c_int64, ctypes.c_size_t
+    g.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64, ctypes.c_void_p]
+    g.ggml_quantize_chunk.restype = sz
+    g.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    g.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    g.ggml_quantize_init.argtypes = [ctypes.c_int]
+    g.ggml_quantize_init.restype = None
+    g.ggml_row_size.argtypes = [ctypes.c_int, i64]
+    g.ggml_row_size.restype = sz
+    g.ggml_blck_size.argtypes = [ctypes.c_int]
+    g.ggml_blck_size.restype = i64
+    g.ggml_type_name.argtypes = [ctypes.c_int]
+    g.ggml_type_name.restype = ctypes.c_char_p
+    g.ggml_op_name.argtypes = [ctypes.c_int]
+    g.ggml_op_name.restype = ctypes.c_char_p
+    g.ggml_nrows.argtypes = [ctypes.c_void_p]
+    g.ggml_nrows.restype = i64
+    g.ggml_nbytes.argtypes = [ctypes.c_void_p]
+    g.ggml_nbytes.restype = sz
+    g.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_buffer_is_host.restype = ctypes.c_bool
+    g.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, sz, sz]
+    g.ggml_backend_tensor_get.restype = None
+    _check_layout(g)
+    return g
+
+
+def _check_layout(g: ctypes.CDLL) -> None:
+    """Make a tensor with ggml itself and compare what the struct view reads."""
+    g.ggml_init.restype = ctypes.c_void_p
+    g.ggml_new_tensor_2d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    g.ggml_new_tensor_2d.restype = ctypes.c_void_p
+    g.ggml_set_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    g.ggml_set_name.restype = ctypes.c_void_p
+    g.ggml_free.argtypes = [ctypes.c_void_p]
+
+    class InitParams(ctypes.Structure):
+        _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+    g.ggml_init.argtypes = [InitParams]
+    ctx = g.ggml_init(InitParams(1 << 16, None, True))
+    try:
+        t = g.ggml_new_tensor_2d(ctx, 0, 96, 7)  # F32, 96 x 7
+        g.ggml_set_name(t, b"localrun.layout_probe")
+        view = GgmlTensor.from_address(t)
+        ok = (
+            view.type == 0 and list(view.ne) == [96, 7, 1, 1] and view.nb[1] == 96 * 4
+            and view.name == b"localrun.layout_probe" and g.ggml_nrows(t) == 7
+        )
+    finally:
+        g.ggml_free(ctx)
+    if not ok:
+        raise BackendUnavailableError(
+            "the installed ggml's tensor struct differs from the one localrun expects; "
+            "update localrun or install a matching llama-cpp-python"
+        )
+
+
+def type_name(ggml_type: int) -> str:
+    return lib().ggml_type_name(int(ggml_type)).decode()
+
+
+def op_name(op: int) -> str:
+    return lib().ggml_op_name(int(op)).decode()
+
+
+def block_size(ggml_type: int) -> int:
+    return int(lib().ggml_blck_size(int(ggml_type)))
+
+
+def row_size(ggml_type: int, n_per_row: int) -> int:
+    return int(lib().ggml_row_size(int(ggml_type), int(n_per_row)))
+
+
+def requires_imatrix(ggml_type: int) -> bool:
+    return bool(lib().ggml_quantize_requires_imatrix(int(ggml_type)))
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def quantize_rows(
+    ggml_type: int,
+    rows: np.ndarray,
+    imatrix: np.ndarray | None = None,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Quantize a float32 [n_rows, n_per_row] matrix; returns the raw GGML blocks.
+
+    `imatrix` is one non-negative importance per column (n_per_row floats), or, for a
+    3-D expert stack flattened to rows, [n_mat, n_per_row] with n_rows divisible by
+    n_mat. Rows are split across threads (ctypes releases the GIL during the call).
+    """
+    g = lib()
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if rows.ndim != 2:
+        raise BadRequestError(f"quantize_rows needs a 2-D matrix, got shape {rows.shape}")
+    n_rows, n_per_row = rows.shape
+    if n_per_row % block_size(ggml_type):
+        raise BadRequestError(
+            f"rows of {n_per_row} values cannot be {type_name(ggml_type)} "
+            f"(blocks of {block_size(ggml_type)})"
+        )
+    mats = None
+    if imatrix is not None:
+        mats = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1, n_per_row)
+        if n_rows % mats.shape[0]:
+            raise BadRequestError(f"an importance matrix of {mats.shape[0]} slices does not fit {n_rows} rows")
+    elif requires_imatrix(ggml_type):
+        raise BadRequestError(f"{type_name(ggml_type)} needs an importance matrix")
+    g.ggml_quantize_init(int(ggml_type))  # builds i-quant grids once, before threads race
+    rsize = row_size(ggml_type, n_per_row)
+    out = np.empty(n_rows * rsize, dtype=np.uint8)
+    rows_per_mat = n_rows // (mats.shape[0] if mats is not None else 1)
+
+    # Chunks never cross an expert boundary: each slice has its own importance row.
+    n_thr = max(1, threads or default_threads())
+    step = max(1, min(rows_per_mat, -(-n_rows // (n_thr * 4))))
+    jobs = []
+    for mat_start in range(0, n_rows, rows_per_mat):
+        for start in range(mat_start, mat_start + rows_per_mat, step):
+            jobs.append((start, min(step, mat_start + rows_per_mat - start)))
+
+    def run(job: tuple[int, int]) -> int:
+        start, n = job
+        im = None
+        if mats is not None:
+            im = mats[start // rows_per_mat].ctypes.data
+        # ggml_quantize_chunk takes `start` as an element index (a row multiple) and
+        # offsets both src and dst from it itself.
+        return int(g.ggml_quantize_chunk(
+            int(ggml_type), rows.ctypes.data, out.ctypes.data, start * n_per_row, n, n_per_row, im
+        ))
+
+    if n_thr == 1 or len(jobs) == 1:
+        written = sum(run(j) for j in jobs)
+    else:
+        with ThreadPoolExecutor(n_thr) as pool:
+            written = sum(pool.map(run, jobs))
+    if written != out.nbytes:
+        raise RuntimeError(f"ggml wrote {written} bytes, expected {out.nbytes}")
+    return out
