@@ -85,6 +85,12 @@ class Backend(Protocol):
         """A normalised embedding of `tokens` (mean of the last hidden states)."""
         ...
 
+    def interrupt(self) -> None:
+        """Abort the decode in flight, or the next one, from any thread: that `decode`
+        raises DecodeInterrupted and leaves every KV cache as it was before the call.
+        A backend that cannot stop mid-pass has `can_interrupt = False` and ignores it."""
+        ...
+
     def kv_trim(self, seq: int, n_keep: int) -> None:
         """Drop every cached position >= n_keep of `seq`."""
         ...
@@ -100,6 +106,10 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class DecodeInterrupted(Exception):
+    """`decode` was stopped by `interrupt()`; nothing it was given was kept."""
 
 
 class KvLedger:

@@ -29,7 +29,7 @@ from localrun.errors import BackendUnavailableError, ModelLoadError
 from localrun.quant.catalog import file_type_name
 
 from . import check_kv_cache_type
-from .base import BatchEntry, KvLedger, ModelInfo, check_batch
+from .base import BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
 
 try:
     import llama_cpp as _lc
@@ -146,6 +146,7 @@ class LlamaCppBackend:
             )
         self._ctx = ctx
         self._mem = _lc.llama_get_memory(ctx)
+        self._arm_interrupt(ctx)
         self.threads = threads
         # One batch for the life of the context; each token belongs to one sequence.
         self._batch = _lc.llama_batch_init(self.n_batch, 0, 1)
@@ -267,7 +268,14 @@ class LlamaCppBackend:
                 lgt[i] = j >= first_out
                 i += 1
         b.n_tokens = i
-        rc = _lc.llama_decode(self._ctx, b)
+        try:
+            rc = _lc.llama_decode(self._ctx, b)
+        finally:
+            ctypes.memmove(self._abort_flag, b"\0", 1)  # an interrupt stops one decode
+        if rc == 2:  # aborted: drop whatever part of the batch reached the cache
+            for e in batch:
+                _lc.llama_memory_seq_rm(self._mem, e.seq, e.pos, -1)
+            raise DecodeInterrupted()
         if rc != 0:
             raise ModelLoadError(f"llama_decode failed with code {rc} (batch of {i} tokens)")
         self._ledger.fed(batch)
@@ -283,6 +291,24 @@ class LlamaCppBackend:
             out.append(rows[r : r + e.n_logits])
             r += e.n_logits
         return out
+
+    # -- interrupting a decode ---------------------------------------------------
+
+    can_interrupt = True
+
+    def _arm_interrupt(self, ctx) -> None:
+        """ggml asks its abort callback `bool f(void *data)` between graph nodes, on its
+        own compute threads, hundreds of times per decode. A Python callback would take
+        the GIL each time; libc's `strlen` over a 2-byte buffer answers the same question
+        in C: "" (0) = go on, "x" (1) = stop. The 0/1 result lands in the return
+        register's low byte, which is where a C bool is read on x86-64 and arm64."""
+        self._abort_flag = ctypes.create_string_buffer(2)
+        strlen = ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value
+        self._abort_fn = _lc.ggml_abort_callback(strlen) if hasattr(_lc, "ggml_abort_callback") else strlen
+        _lc.llama_set_abort_callback(ctx, self._abort_fn, ctypes.cast(self._abort_flag, ctypes.c_void_p))
+
+    def interrupt(self) -> None:
+        ctypes.memmove(self._abort_flag, b"x", 1)
 
     # -- embeddings --------------------------------------------------------------
 

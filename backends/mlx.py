@@ -237,6 +237,12 @@ class MLXBackend:
         self._ledger.fed(batch)
         return out
 
+    can_interrupt = False
+
+    def interrupt(self) -> None:
+        """MLX evaluates a pass as one graph; there is no point to stop it at. Callers
+        keep steps short instead (see can_interrupt)."""
+
     # -- embeddings --------------------------------------------------------------
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:

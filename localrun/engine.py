@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from localrun.backends import open_backend
-from localrun.backends.base import Backend, BatchEntry, ModelInfo
+from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted, ModelInfo
 
 from . import chat_template
 from .errors import BadRequestError, ContextExceededError, LocalrunError
@@ -280,7 +280,10 @@ class Engine:
         if not batch:
             return {}
         t0 = time.perf_counter()
-        rows = self.backend.decode(batch)
+        try:
+            rows = self.backend.decode(batch)
+        except DecodeInterrupted:  # someone (a hung-up client) stopped it: nothing advanced
+            return {}
         events: dict[int, Event] = {}
         now = time.perf_counter()
         for (g, draft), e, r in zip(owners, batch, rows):

@@ -87,6 +87,11 @@ class ScriptedBackend:
     def kv_clear(self, seq: int) -> None:
         self.kv[seq] = []
 
+    can_interrupt = False  # decode is instant here; nothing to stop
+
+    def interrupt(self) -> None:
+        """Nothing runs long enough to stop."""
+
     def kv_tokens(self, seq: int) -> list[int]:
         return self.kv[seq]
 

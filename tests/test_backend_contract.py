@@ -129,3 +129,35 @@ def test_batch_limits_are_checked(engine):
         be.decode([BatchEntry(0, [1], engine.n_ctx, 1)])
     with pytest.raises(ValueError):
         be.decode([BatchEntry(0, [1] * (be.n_batch + 1), 0, 1)])
+
+
+def test_interrupt_stops_a_decode_and_keeps_the_cache_as_it_was(llama_engine):
+    """A hung-up client stops a long prompt chunk mid-pass (llama.cpp's abort callback):
+    the decode raises, nothing of the batch stays in the KV, the next decode is exact."""
+    import threading
+
+    from localrun.backends.base import DecodeInterrupted
+
+    be = llama_engine.backend
+    assert be.can_interrupt
+    head = llama_engine.tokenize("The capital of France is")
+    be.kv_clear(0)
+    before = np.array(be.decode([BatchEntry(0, head, 0, 1)])[0])
+    long = llama_engine.tokenize("The quick brown fox jumps over the lazy dog. " * 40)[: be.n_batch]
+    be.interrupt()  # an interrupt that comes before the decode stops that decode
+    with pytest.raises(DecodeInterrupted):
+        be.decode([BatchEntry(0, long, len(head), 0)])
+    timer = threading.Timer(0.005, be.interrupt)
+    timer.start()
+    try:
+        be.decode([BatchEntry(0, long, len(head), 0)])
+        interrupted = False
+    except DecodeInterrupted:
+        interrupted = True
+    timer.join()
+    if not interrupted:  # the decode beat the timer: take it back to compare as before
+        be.kv_trim(0, len(head))
+    assert list(be.kv_tokens(0)) == head
+    be.kv_trim(0, len(head) - 1)
+    again = np.array(be.decode([BatchEntry(0, head[-1:], len(head) - 1, 1)])[0])
+    assert np.allclose(again, before, atol=1e-3)

@@ -72,20 +72,26 @@ class Stats:
 
 
 class StepBudget:
-    """How many tokens one step may carry so that it lasts about `target_s`.
+    """How many tokens one step may carry.
 
-    A step is the unit of everything the scheduler does between decodes: a hang-up is
-    noticed, a new request joins, every decoding stream gets its next token. A long
-    prompt read in n_batch chunks would make a step last seconds on a CPU (a 256-token
+    A step is the unit of everything the scheduler does between decodes: a new request
+    joins, every decoding stream gets its next token. While streams are decoding, a long
+    prompt read in n_batch chunks would stall them for seconds on a CPU (a 256-token
     chunk of a small model takes ~1 s on one busy core), so prompt chunks are sized from
-    the measured throughput instead; on a GPU the rate is high and n_batch is the cap."""
+    the measured throughput to keep a step near `target_s`; on a GPU the rate is high and
+    n_batch is the cap. With no stream waiting, a prompt is read in full n_batch chunks
+    (fastest), and a hang-up interrupts the decode itself where the backend can."""
 
     def __init__(self, n_batch: int, target_s: float = 0.15, start: int = 32) -> None:
         self.n_batch, self.target_s = n_batch, target_s
         self.rate: float | None = None  # tokens per second, smoothed
         self.start = min(start, n_batch)
 
-    def tokens(self) -> int:
+    def tokens(self, decoding: bool, can_interrupt: bool) -> int:
+        """Full n_batch chunks (fastest prompt reading) when no stream waits on this step
+        and a cancel can interrupt it; else chunks that keep the step near target_s."""
+        if not decoding and can_interrupt:
+            return self.n_batch
         if self.rate is None:
             return self.start
         return max(MIN_CHUNK, min(self.n_batch, int(self.rate * self.target_s)))
@@ -140,7 +146,10 @@ class Scheduler:
     def cancel(self, job: Job) -> None:
         job.cancel()
         with self._cv:
+            running = job in self._active
             self._cv.notify()
+        if running:  # stop the decode it is part of now, not after its (maybe long) chunk
+            self.engine.backend.interrupt()
 
     @property
     def busy(self) -> bool:
@@ -235,7 +244,8 @@ class Scheduler:
         gens = [j.gen for j in active]
         before = sum(g.n_cached for g in gens)
         t0 = time.perf_counter()
-        events = self.engine.step(gens, self.budget.tokens())
+        decoding = any(len(g.pending) == 1 for g in gens)
+        events = self.engine.step(gens, self.budget.tokens(decoding, self.engine.backend.can_interrupt))
         now = time.perf_counter()
         self.budget.observe(sum(g.n_cached for g in gens) - before, now - t0)
         self.stats.decode_calls += 1
