@@ -157,7 +157,7 @@ def variants(files: list[RepoFile]) -> list[Variant]:
 
 
 class _NeedMore(Exception):
-    pass
+    """The bytes fetched so far end inside the header: fetch a longer prefix."""
 
 
 def parse_gguf_prefix(buf: bytes):

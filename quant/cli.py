@@ -135,8 +135,9 @@ def _quantize_mlx_cmd(args: argparse.Namespace, src: Path) -> int:
     quantize_mlx(src, out, bits=args.bits, group_size=args.group_size, recipe=args.recipe,
                  allow_requantize=args.allow_requantize, progress=_say)
     if args.no_quality:
-        pass
-    elif _mlx_is_fast():
+        print(out)
+        return 0
+    if _mlx_is_fast():
         _report(src, out, args)
     else:
         # Off Apple silicon MLX runs on the CPU, and its quantized matmuls there take

@@ -171,8 +171,9 @@ async def read_json(request: Request, limit: int) -> dict:
 async def _hang_up(request: Request) -> None:
     """Returns when the client disconnects. The body has been read, so the only message
     left to receive is the disconnect (polling `is_disconnected` misses it under uvicorn)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    message = await request.receive()
+    while message["type"] != "http.disconnect":
+        message = await request.receive()
 
 
 async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):
