@@ -329,7 +329,11 @@ class Engine:
             events.append(self._accept(g, token, now))
             if alternatives is not None and events[-1].tokens:
                 events[-1].top_probs = [alternatives]
-                events[-1].token_probs = [g.sampler.token_prob(row, token)]
+                # the drawn token is nearly always among the alternatives (same raw
+                # scale): a second softmax over the vocabulary only when it is not
+                known = dict(alternatives)
+                p = known[token] if token in known else g.sampler.token_prob(row, token)
+                events[-1].token_probs = [p]
             if g.done or not ok:
                 break
             kept += 1

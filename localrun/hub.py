@@ -100,7 +100,7 @@ def _transport_errors() -> tuple[type[Exception], ...]:
         import httpx2
 
         errors.append(httpx2.TransportError)
-    except ImportError:
+    except ImportError:  # older huggingface_hub speaks httpx only; its errors are already listed
         pass
     return tuple(errors)
 

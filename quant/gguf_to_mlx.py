@@ -102,6 +102,25 @@ def _open(src: Path):
     return reader, meta
 
 
+def llama3_freq_factors(
+    head_dim: int, theta: float, factor: float, low: float, high: float, orig: int
+) -> np.ndarray:
+    """Llama 3.x rope scaling as per-frequency divisors (what a GGUF's rope_freqs holds):
+    long wavelengths are divided by `factor`, short ones kept, the band between blended."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
 def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
     """Recover Llama 3.1-style `rope_scaling` from the `rope_freqs` tensor.
 
@@ -112,17 +131,7 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
     """
     factor = float(factors.max())
     low, high, orig = 1.0, 4.0, 8192
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    want = []
-    for f in freqs:
-        wavelen = 2 * math.pi / f
-        if wavelen < orig / high:
-            want.append(1.0)
-        elif wavelen > orig / low:
-            want.append(factor)
-        else:
-            smooth = (orig / wavelen - low) / (high - low)
-            want.append(1 / ((1 - smooth) / factor + smooth))
+    want = llama3_freq_factors(head_dim, theta, factor, low, high, orig)
     if factors.shape != (head_dim // 2,) or not np.allclose(factors, want, rtol=1e-4):
         raise UnsupportedFormatError(
             "this GGUF's rope_freqs tensor does not match Llama 3 rope scaling; "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import struct
 from pathlib import Path
 from typing import Callable, Iterator
@@ -26,7 +25,8 @@ import numpy as np
 
 from localrun.errors import BadRequestError, LocalrunError, MalformedModelError, ModelNotFoundError, UnsupportedFormatError
 
-from .gguf_to_mlx import _GLOBAL_NAMES, _LAYER_NAMES, permute_qk
+from .atomic import atomic_output
+from .gguf_to_mlx import _GLOBAL_NAMES, _LAYER_NAMES, llama3_freq_factors, permute_qk
 from .hf_tokenizer import tokenizer_metadata
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -103,20 +103,10 @@ def _arch(config: dict, folder: Path) -> str:
 
 
 def _llama3_freq_factors(rs: dict, head_dim: int, theta: float) -> np.ndarray:
-    factor, low, high = float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
-    orig = float(rs.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    out = []
-    for f in freqs:
-        wavelen = 2 * np.pi / f
-        if wavelen < orig / high:
-            out.append(1.0)
-        elif wavelen > orig / low:
-            out.append(factor)
-        else:
-            smooth = (orig / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.asarray(out, np.float32)
+    return llama3_freq_factors(
+        head_dim, theta, float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
+        float(rs.get("high_freq_factor", 4.0)), int(rs.get("original_max_position_embeddings", 8192)),
+    )
 
 
 def _hparams(writer, arch: str, c: dict, folder: Path) -> tuple[int, int, int]:
@@ -206,59 +196,49 @@ def convert_hf_to_gguf(
 
     tok_meta = tokenizer_metadata(src, vocab_size, config)  # cheap and likeliest to fail: first
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
-    w = gguf.GGUFWriter(tmp, arch=arch, use_temp_file=False)
-    try:
-        w.add_name(config.get("_name_or_path") or src.name)
-        w.add_file_type(1)  # MOSTLY_F16
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        n_head, n_kv, head_dim = _hparams(w, arch, config, src)
-        freq_factors = _rope_scaling(w, arch, config, head_dim)
-        w.add_uint32(f"{arch}.vocab_size", len(tok_meta["tokenizer.ggml.tokens"]))
-        for key, value in tok_meta.items():
-            if isinstance(value, list):
-                w.add_array(key, value)
-            elif isinstance(value, bool):
-                w.add_bool(key, value)
-            elif isinstance(value, int):
-                w.add_uint32(key, value)
-            else:
-                w.add_string(key, value)
+    with atomic_output(out, overwrite) as tmp:
+        w = gguf.GGUFWriter(tmp, arch=arch, use_temp_file=False)
+        try:
+            w.add_name(config.get("_name_or_path") or src.name)
+            w.add_file_type(1)  # MOSTLY_F16
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            n_head, n_kv, head_dim = _hparams(w, arch, config, src)
+            freq_factors = _rope_scaling(w, arch, config, head_dim)
+            w.add_uint32(f"{arch}.vocab_size", len(tok_meta["tokenizer.ggml.tokens"]))
+            for key, value in tok_meta.items():
+                if isinstance(value, list):
+                    w.add_array(key, value)
+                elif isinstance(value, bool):
+                    w.add_bool(key, value)
+                elif isinstance(value, int):
+                    w.add_uint32(key, value)
+                else:
+                    w.add_string(key, value)
 
-        tied = bool(config.get("tie_word_embeddings", False))
-        count = 0
-        for hf, arr in iter_safetensors(src):
-            name = _gguf_name(hf, arch)
-            if name is None or (tied and name == "output.weight"):
-                continue
-            if arch == "llama" and name.endswith("attn_q.weight"):
-                arr = permute_qk(arr, n_head)
-            elif arch == "llama" and name.endswith("attn_k.weight"):
-                arr = permute_qk(arr, n_kv)
-            # matrices as F16; 1-D norms and biases stay F32 (tiny and precision-sensitive)
-            w.add_tensor(name, arr.astype(np.float16) if arr.ndim >= 2 else arr.astype(np.float32))
-            count += 1
-            if count % 32 == 0:
-                say(f"read {count} tensors")
-        if freq_factors is not None:
-            w.add_tensor("rope_freqs.weight", freq_factors)
-        if count == 0:
-            raise MalformedModelError(f"{src.name} has no tensors")
-        say(f"writing {out.name}")
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        if out.exists() and not overwrite:
-            raise LocalrunError(f"{out} appeared while converting; the result is not moved onto it")
-        os.replace(tmp, out)
-    except OSError as e:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise LocalrunError(f"could not write {out}: {e.strerror or e}") from e
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+            tied = bool(config.get("tie_word_embeddings", False))
+            count = 0
+            for hf, arr in iter_safetensors(src):
+                name = _gguf_name(hf, arch)
+                if name is None or (tied and name == "output.weight"):
+                    continue
+                if arch == "llama" and name.endswith("attn_q.weight"):
+                    arr = permute_qk(arr, n_head)
+                elif arch == "llama" and name.endswith("attn_k.weight"):
+                    arr = permute_qk(arr, n_kv)
+                # matrices as F16; 1-D norms and biases stay F32 (tiny and precision-sensitive)
+                w.add_tensor(name, arr.astype(np.float16) if arr.ndim >= 2 else arr.astype(np.float32))
+                count += 1
+                if count % 32 == 0:
+                    say(f"read {count} tensors")
+            if freq_factors is not None:
+                w.add_tensor("rope_freqs.weight", freq_factors)
+            if count == 0:
+                raise MalformedModelError(f"{src.name} has no tensors")
+            say(f"writing {out.name}")
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     say(f"wrote {out}")
     return out

@@ -18,13 +18,14 @@ matrix by in_sum2[j] / counts: the mean squared activation.
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from localrun.errors import LocalrunError, MalformedModelError, ModelNotFoundError
+
+from .atomic import atomic_output
 
 SUM_SUFFIX = ".in_sum2"
 COUNT_SUFFIX = ".counts"
@@ -67,8 +68,7 @@ def save_imatrix(im: ImportanceMatrix, path: str | os.PathLike) -> Path:
     if not im.sums:
         raise LocalrunError("the importance matrix is empty: no weight matrix saw a calibration token")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{secrets.token_hex(4)}")
-    try:
+    with atomic_output(path) as tmp:
         # GGUFWriter insists on an architecture key; an imatrix file has none, so the
         # writer's automatic key is dropped before anything is written.
         w = gguf.GGUFWriter(tmp, arch="")
@@ -84,13 +84,6 @@ def save_imatrix(im: ImportanceMatrix, path: str | os.PathLike) -> Path:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise LocalrunError(f"could not write {path}: {e.strerror or e}") from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -16,7 +16,6 @@ source is never the output; a quantized source is refused unless `allow_requanti
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,6 +25,7 @@ import numpy as np
 from localrun.errors import BadRequestError, LocalrunError, MalformedModelError, ModelNotFoundError
 
 from . import ggml_lib, gguf_io
+from .atomic import atomic_output
 from .gguf_io import GGUFOut, kv_entries
 from .imatrix_file import ImportanceMatrix
 from .recipe import NEEDS_IMATRIX, FileType, TensorPlanner, file_type, is_quantizable
@@ -140,8 +140,7 @@ def quantize_gguf(
 
     result = QuantizeResult(out, ft.name, 0, 0, requantized=requant)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
-    try:
+    with atomic_output(out, overwrite) as tmp:
         mm = np.memmap(src, np.uint8, mode="r")  # numpy owns the mapping: views stay valid
         with open(tmp, "wb") as fp:
             w = GGUFOut(fp, alignment=summary.alignment)
@@ -177,15 +176,6 @@ def quantize_gguf(
                 w.write(_convert(t, raw, qt, imatrix, threads))
             if progress:
                 progress("done", len(plan), len(plan))
-        if out.exists() and not overwrite:  # someone made OUT while we worked
-            raise LocalrunError(f"{out} appeared while quantizing; the result is not moved onto it")
-        os.replace(tmp, out)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise LocalrunError(f"could not write {out}: {e.strerror or e}; nothing was left at {out}") from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     result.size_bytes = out.stat().st_size
     result.fallbacks = planner.fallbacks
     return result

@@ -35,6 +35,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from localrun.backends.llamacpp import default_threads
+
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "bench_peers.py"
 SMOLLM2, GEMMA3, SMOLLM2_MLX = (
@@ -60,18 +62,6 @@ _SENTENCES = [
 def long_text(n_sentences: int = 400) -> str:
     return " ".join(_SENTENCES[k % len(_SENTENCES)].format(n=k + 3, m=(k * 37) % 1000 + 11)
                     for k in range(n_sentences))
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)
-        if n:
-            return n
-    except ImportError:
-        pass
-    return os.cpu_count() or 1
 
 
 def llama_bench_path(explicit: str | None) -> Path:
@@ -224,7 +214,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", help="file/dir names in the test-model cache, or paths")
-    ap.add_argument("--threads", type=int, default=physical_cores())
+    ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)

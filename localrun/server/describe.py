@@ -110,7 +110,7 @@ def _describe_mlx(name: str, p: Path) -> Description:
     template = None
     try:
         template = json.loads((p / "tokenizer_config.json").read_text()).get("chat_template")
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # no readable tokenizer_config.json: a model without a template
         pass
     return Description(
         name, str(p), "mlx", str(text.get("model_type", cfg.get("model_type", "unknown"))), 0, quant,
