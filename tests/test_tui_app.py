@@ -101,8 +101,19 @@ async def answered(pilot, timeout: float = 60.0) -> None:
     await wait_for(pilot, lambda: not app.generating, timeout, "the answer to finish")
 
 
-async def test_send_streams_answer_saves_and_keeps_multiline(tui_env):
+async def test_send_streams_answer_saves_and_keeps_multiline(tui_env, monkeypatch):
     app = make_app(SMOL_NAME, "--max-tokens", "40")  # long enough to be seen half-written
+    partial = []  # what the answer widget showed after each streamed chunk
+    show_chunk = ChatApp.on_answer_chunk
+
+    async def recording_chunk(self, msg):
+        await show_chunk(self, msg)
+        if self._answer is not None:
+            partial.append(self._answer.source)
+
+    # recorded inside the handler, not by polling: a fast machine can finish all 40
+    # tokens before a poll first sees the answer in flight
+    monkeypatch.setattr(ChatApp, "on_answer_chunk", recording_chunk)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         assert app.status.values.n_ctx == 512
@@ -114,13 +125,9 @@ async def test_send_streams_answer_saves_and_keeps_multiline(tui_env):
 
         await send(pilot, "Count from 1 to 30.")
         assert box.text == ""  # sent: the box is empty again
-        partial = []
-        await wait_for(pilot, lambda: app.generating, what="generation to start")
-        while app.generating:  # the answer is on screen before it is finished
-            if app._answer is not None and app._answer.source:
-                partial.append(app._answer.source)
-            await pilot.pause(0.02)
-        assert partial and len(partial[0]) < len(app.messages[-1]["content"])
+        await wait_for(pilot, lambda: len(app.messages) == 2 and not app.generating, what="the answer")
+        shown = [text for text in partial if text]
+        assert shown and len(shown[0]) < len(app.messages[-1]["content"])  # on screen before it was finished
 
         question, answer = app.messages
         assert question == {"role": "user", "content": "Count from 1 to 30."}
