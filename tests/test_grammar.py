@@ -9,6 +9,7 @@ The llama.cpp example grammars come from scripts/fetch_grammars.py. Timings prin
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -364,6 +365,19 @@ def test_fifty_seeded_runs_on_llama_cpp(llama_backend, llama_tok, kind):
     # every grammar here bounds its length well under 40 tokens, save for nesting
     assert len(done) >= 45, results
     assert len(set(done)) >= 10, done  # the seeds really sample
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LOCALRUN_MLX_FIFTY"),
+                    reason="150 MLX runs take ~12 min here (MLX's CPU build decodes SmolLM2 f16 at ~2.4 tok/s);"
+                           " set LOCALRUN_MLX_FIFTY=1 to run them")
+@pytest.mark.parametrize("kind", list(CASES))
+def test_fifty_seeded_runs_on_mlx(mlx_engine, kind):
+    """The llama.cpp test above, on MLX: same grammars, same seeds, same checks."""
+    be = mlx_engine.backend
+    results, done = run_case(be, build_tokenizer(be), kind, list(range(50)))
+    assert len(done) >= 45, results
+    assert len(set(done)) >= 10, done
 
 
 @pytest.mark.parametrize("kind", ["regex", "gbnf"])

@@ -90,7 +90,12 @@ def _top_indices(logits: np.ndarray, k: int) -> np.ndarray:
         width = n // blocks
         maxima = logits[: width * blocks].reshape(blocks, width).max(axis=1)
         bound = np.partition(maxima, blocks - k)[blocks - k]
-        cand = np.flatnonzero(logits >= bound)
+        if bound == -np.inf:  # a grammar-masked row: the allowed ids, then any -inf to make up k
+            cand = np.flatnonzero(logits > bound)
+            if cand.size < k:
+                return np.concatenate([cand, np.flatnonzero(logits == bound)[: k - cand.size]])
+        else:
+            cand = np.flatnonzero(logits >= bound)
     else:
         cand = np.arange(n)
     if cand.size > k:
