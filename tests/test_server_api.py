@@ -145,6 +145,8 @@ def test_ollama_chat_stream(olm):
     parts = list(olm.chat(model=MODEL, messages=ASK, stream=True, options={"num_predict": 16, **GREEDY}))
     assert parts[-1].done and parts[-1].eval_count <= 16 and parts[-1].prompt_eval_count > 0
     assert parts[-1].eval_duration > 0
+    one = olm.generate(model=MODEL, prompt="Hello", options={"num_predict": 1, **GREEDY})
+    assert one.eval_count == 1 and one.eval_duration > 0  # clients divide by it
     streamed = "".join(p.message.content for p in parts)
     whole = olm.chat(model=MODEL, messages=ASK, stream=False, options={"num_predict": 16, **GREEDY})
     assert whole.message.content == streamed
@@ -266,6 +268,48 @@ def test_health_props_slots_metrics(server):
     assert "# TYPE llamacpp:tokens_predicted_total counter" in text
     line = next(x for x in text.splitlines() if x.startswith(f'llamacpp:tokens_predicted_total{{model="{MODEL}"}}'))
     assert float(line.split()[-1]) >= 3
+
+
+def test_indent_limit_cuts_at_the_first_under_indented_line():
+    from localrun.server.indent import IndentLimit
+
+    limit = IndentLimit(4)
+    assert limit.cut("x = 1") is None  # the first line continues the cursor's line: never cut
+    assert limit.cut("\n    y = 2\n\n  ") is None  # enough indentation; a blank line is no content
+    assert limit.cut("\t") is None  # tabs count one each: 3 so far
+    assert limit.cut("z") == 0  # content at indentation 3 < 4
+    whole = IndentLimit(2)
+    text = "a\n  b\n   c\n d\ne"
+    assert whole.cut(text) == text.index(" d") + 1
+
+
+def cut_where_indent_drops(text: str, n_indent: int) -> str:
+    """The test's own reading of n_indent: drop everything from the first non-blank
+    character of a later line indented less than n_indent."""
+    at = 0
+    for i, line in enumerate(text.split("\n")):
+        content = line.lstrip(" \t")
+        if i and content and len(line) - len(content) < n_indent:
+            return text[: at + len(line) - len(content)]
+        at += len(line) + 1
+    return text
+
+
+def test_n_indent_ends_a_completion_that_leaves_the_block(server):
+    body = {"prompt": "def add(a, b):\n    return a + b\n\n\ndef", "n_predict": 40, "temperature": 0,
+            "ignore_eos": True, "lookup": False}
+    full = httpx.post(server.url + "/completion", json=body, timeout=60).json()
+    expected = cut_where_indent_drops(full["content"], 4)
+    # the free answer writes a function body (kept), then leaves it for another "def" (cut)
+    assert "\n    " in expected and expected != full["content"], full["content"]
+    limited = httpx.post(server.url + "/completion", json={**body, "n_indent": 4}, timeout=60).json()
+    assert limited["content"] == expected
+    assert limited["stop_type"] == "limit" and limited["tokens_predicted"] < 40
+    with httpx.stream("POST", server.url + "/completion", json={**body, "n_indent": 4, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == expected and events[-1]["stop_type"] == "limit"
+    bad = httpx.post(server.url + "/completion", json={**body, "n_indent": -1}, timeout=30)
+    assert bad.status_code == 400 and "n_indent" in bad.json()["error"]["message"]
 
 
 def test_t_max_predict_ms_ends_a_long_completion(server):

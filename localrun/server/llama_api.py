@@ -88,7 +88,8 @@ def _read_run_fields(b: Body) -> dict:
     fields = b.list("response_fields")
     if fields is not None and not all(isinstance(f, str) for f in fields):
         raise BadRequestError("'response_fields' must be a list of field names")
-    return {"stream": b.bool("stream", False), "t_max_predict_ms": b.float("t_max_predict_ms"), "fields": fields}
+    return {"stream": b.bool("stream", False), "t_max_predict_ms": b.float("t_max_predict_ms"),
+            "n_indent": b.int("n_indent", 0, lo=0), "fields": fields}
 
 
 def _project(out: dict, fields: list[str] | None) -> dict:
@@ -106,7 +107,7 @@ def _project(out: dict, fields: list[str] | None) -> dict:
 
 
 async def _run(request: Request, run: dict, model, tokens: list[int], options: dict):
-    job = submit(model, tokens, options, run["t_max_predict_ms"])
+    job = submit(model, tokens, options, run["t_max_predict_ms"], run["n_indent"])
     eng, n_probs = model.engine, options["sampling"].n_probs
 
     def final(text: str, out_tokens: list[int], reason: str, t) -> dict:

@@ -53,13 +53,20 @@ def _options(b: Body) -> dict:
 
 
 def _final(t, load_ns: int, started: float) -> dict:
+    total = int((time.perf_counter() - started) * 1e9)
+    prompt = int(t.prefill_ms * 1e6)
+    evaluating = int(t.decode_ms * 1e6)
+    if t.generated_tokens and not evaluating:
+        # one token, sampled from the prompt's own forward pass: the answer's time is what
+        # followed the prompt (clients divide eval_count by this, so never 0)
+        evaluating = max(total - load_ns - prompt, 1)
     return {
-        "total_duration": int((time.perf_counter() - started) * 1e9),
+        "total_duration": total,
         "load_duration": load_ns,
         "prompt_eval_count": t.prompt_tokens,
-        "prompt_eval_duration": int(t.prefill_ms * 1e6),
+        "prompt_eval_duration": prompt,
         "eval_count": t.generated_tokens,
-        "eval_duration": int(t.decode_ms * 1e6),
+        "eval_duration": evaluating,
     }
 
 

@@ -14,16 +14,18 @@ from starlette.requests import Request
 from ..engine import Event, Timings
 from ..errors import BadRequestError
 from .http import until_done_or_disconnect
+from .indent import IndentLimit
 from .models import Loaded
 from .scheduler import END, Job
 
 
-def submit(model: Loaded, tokens: list[int], options: dict, t_max_predict_ms: float | None = None) -> Job:
+def submit(model: Loaded, tokens: list[int], options: dict, t_max_predict_ms: float | None = None,
+           n_indent: int | None = None) -> Job:
     max_tokens = options.get("max_tokens")
     model.engine.check_prompt(tokens, max_tokens)
     if options.get("grammar") is not None and model.engine.info.eos_id is None and not model.engine.info.stop_ids:
         raise BadRequestError("this model has no end-of-sequence token, so it cannot follow a grammar")
-    job = Job(tokens, options, asyncio.get_running_loop(), t_max_predict_ms)
+    job = Job(tokens, options, asyncio.get_running_loop(), t_max_predict_ms, IndentLimit(n_indent) if n_indent else None)
     model.scheduler.submit(job)
     return job
 

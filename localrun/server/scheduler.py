@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..engine import Engine, Generation
 from ..errors import LocalrunError
+from .indent import IndentLimit
 
 
 class QueueFullError(LocalrunError):
@@ -41,6 +42,7 @@ class Job:
     options: dict  # Engine.start keyword arguments: sampling, max_tokens, stop, lookup, grammar, ...
     loop: asyncio.AbstractEventLoop
     t_max_predict_ms: float | None = None
+    indent: IndentLimit | None = None  # llama-server's n_indent
     id: int = field(default_factory=itertools.count().__next__)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -258,9 +260,16 @@ class Scheduler:
                     job._t_first = now
                     self.stats.prompt_tokens += job.gen.timings.prompt_tokens - job.gen.timings.cached_tokens
                     self.stats.prompt_seconds += job.gen.timings.prefill_ms / 1000
+                cut = job.indent.cut(ev.text) if job.indent is not None else None
+                if cut is not None:
+                    ev.text = ev.text[:cut]
                 job.post(ev)
                 job.has_newline = job.has_newline or "\n" in ev.text
-                if self._out_of_time(job, now):
+                if cut is not None and not job.gen.done:
+                    last = self.engine.finish(job.gen, "length")  # llama-server's stop_type "limit"
+                    last.text = ""  # what the stop matcher still held comes after the cut
+                    job.post(last)
+                elif self._out_of_time(job, now):
                     job.post(self.engine.finish(job.gen, "length"))
                 if job.gen.done:
                     t = job.gen.timings
