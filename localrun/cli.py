@@ -48,17 +48,21 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
                    metavar="TEXT", help="DRY sequence breaker (repeatable; replaces the defaults)")
     g.add_argument("--samplers", default=None, help="stage order, e.g. 'penalties;dry;top_k;top_p;min_p;temperature'")
-    g.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS", help="add BIAS to token ID (repeatable)")
+    g.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS to token ID, or to every token of TEXT with TEXT=BIAS (repeatable)")
 
 
-def _logit_bias(items: list[str] | None) -> dict[int, float]:
-    bias: dict[int, float] = {}
+def _logit_bias(items: list[str] | None) -> dict[int | str, float]:
+    bias: dict[int | str, float] = {}
     for item in items or []:
-        tok, sep, val = item.partition("=")
+        tok, sep, val = item.rpartition("=")
         try:
-            bias[int(tok)] = float(val)
+            if not sep or not tok:
+                raise ValueError
+            key = int(tok) if tok.isdigit() else tok
+            bias[key] = bias.get(key, 0.0) + float(val)
         except ValueError:
-            raise LocalrunError(f"--logit-bias takes ID=BIAS, e.g. 15043=-5, got {item!r}") from None
+            raise LocalrunError(f"--logit-bias takes ID=BIAS or TEXT=BIAS, e.g. 15043=-5, got {item!r}") from None
     return bias
 
 

@@ -12,6 +12,7 @@ row asked for), which is how speculation plugs in without a second engine.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +198,7 @@ class Engine:
         gen = Generation(
             seq=seq,
             prompt=tokens,
-            sampler=Sampler(sampling or SamplingParams(), self.token_text),
+            sampler=Sampler(self._resolve_text_bias(sampling or SamplingParams()), self.token_text),
             max_tokens=room if max_tokens is None else min(max_tokens, room),
             stops=StopMatcher(stop),
             stop_ids=frozenset() if ignore_eos else self.info.stop_ids,
@@ -298,6 +299,17 @@ class Engine:
                 g.lookup.observe_step(len(draft), (now - t0) * 1000)
             events[g.seq] = self._verify(g, n_known, draft, r, now)
         return events
+
+    def _resolve_text_bias(self, p: SamplingParams) -> SamplingParams:
+        """llama-server's text-keyed logit bias: every token of the text's tokenization
+        (as plain text, specials not parsed) gets the bias."""
+        if not p.logit_bias_text:
+            return p
+        bias = dict(p.logit_bias)
+        for text, b in p.logit_bias_text.items():
+            for t in set(self.backend.tokenize(text, add_special=False, parse_special=False)):
+                bias[t] = bias.get(t, 0.0) + b
+        return dataclasses.replace(p, logit_bias=bias, logit_bias_text={})
 
     def _draft(self, g: Generation, room: int) -> list[int]:
         """Prompt-lookup draft for a decoding generation, within every limit it has."""

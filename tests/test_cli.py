@@ -95,6 +95,14 @@ def test_bad_sampling_value_is_one_line(smollm2_gguf):
     assert "top_p" in one_line_error(localrun("run", smollm2_gguf, "hi", "--top-p", "1.5"))
 
 
+def test_logit_bias_by_text_from_the_cli(smollm2_gguf):
+    args = ["run", smollm2_gguf, "The capital of France is", "--temperature", "0", "--max-tokens", "6", "--raw"]
+    assert "Paris" in localrun(*args).stdout
+    banned = localrun(*args, "--logit-bias", " Paris=-100")
+    assert banned.returncode == 0 and banned.stdout.strip() and "Paris" not in banned.stdout
+    assert "--logit-bias" in one_line_error(localrun(*args, "--logit-bias", "Paris"))
+
+
 def test_chat_repl_keeps_the_conversation(smollm2_gguf):
     p = localrun("chat", smollm2_gguf, "--temperature", "0", "--max-tokens", "12", "--verbose",
                  stdin="My name is Ada.\nWhat is my name?\n/exit\nnever read\n")

@@ -122,6 +122,13 @@ def test_the_backend_row_is_never_written():
     np.testing.assert_array_equal(x, [2.0, -1.0, 1.0])
 
 
+def test_text_keys_of_logit_bias_are_kept_for_the_engine():
+    p = SamplingParams(logit_bias=[["Hello", -2], [5, 1.0], ["Hello", False]])
+    assert p.logit_bias == {5: 1.0} and p.logit_bias_text == {"Hello": -math.inf}
+    with pytest.raises(BadRequestError, match="logit_bias keys"):
+        SamplingParams(logit_bias={"": 1.0})
+
+
 def test_logit_bias_moves_the_argmax_and_false_bans():
     x = np.array([3.0, 2.0, 1.0], np.float32)
     assert Sampler(SamplingParams(temperature=0, logit_bias={2: 5.0})).sample(x, []) == 2

@@ -82,3 +82,15 @@ def test_every_stage_runs_and_reproduces_on_both_backends(engine, stages):
     ]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 10
     assert 13 not in runs[0].tokens or EVERY_STAGE["logit_bias"][13] > -100
+
+
+def test_text_keyed_logit_bias_bans_every_token_of_the_text(llama_engine):
+    """llama-server's string form: the bias reaches each token of the text."""
+    prompt = "The capital of France is"
+    free = llama_engine.complete(prompt, sampling=SamplingParams(temperature=0), max_tokens=12, lookup=False)
+    assert "Paris" in free.text
+    banned = set(llama_engine.backend.tokenize(" Paris", add_special=False, parse_special=False))
+    assert len(banned) >= 1
+    res = llama_engine.complete(prompt, sampling=SamplingParams(temperature=0, logit_bias={" Paris": False}),
+                                max_tokens=12, lookup=False)
+    assert not banned & set(res.tokens) and res.text != free.text

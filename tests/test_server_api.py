@@ -247,6 +247,17 @@ def test_completion_stream_and_probs(server):
     assert events[-1]["stop"] and events[-1]["timings"]["predicted_n"] == 6
 
 
+def test_logit_bias_by_text_and_by_id(server):
+    body = {"prompt": "The capital of France is", "n_predict": 6, "temperature": 0, "lookup": False}
+    free = httpx.post(server.url + "/completion", json=body, timeout=60).json()
+    assert "Paris" in free["content"]
+    for bias in ([[" Paris", False]], {" Paris": -100}):  # llama-server's list form, OpenAI's object form
+        r = httpx.post(server.url + "/completion", json={**body, "logit_bias": bias}, timeout=60)
+        assert r.status_code == 200 and "Paris" not in r.json()["content"], (bias, r.text)
+    bad = httpx.post(server.url + "/completion", json={**body, "logit_bias": [["", 1]]}, timeout=30)
+    assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
+
+
 def test_tokenize_detokenize_round_trip(server):
     text = "Hello, world! Ünïcödé"
     toks = httpx.post(server.url + "/tokenize", json={"content": text}, timeout=30).json()["tokens"]

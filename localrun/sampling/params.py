@@ -34,6 +34,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # llama-server's string form ({"Hello": -5} or [["Hello", -5]]): the bias goes to every
+    # token of the text; the engine resolves it with the model's tokenizer
+    logit_bias_text: dict[str, float] = field(default_factory=dict)
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
@@ -62,7 +65,11 @@ class SamplingParams:
         for name, ok, want in _RANGES:
             if not ok(getattr(self, name)):
                 raise BadRequestError(f"{name} must be {want}, got {getattr(self, name)!r}")
-        self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.logit_bias, text = _check_logit_bias(self.logit_bias)
+        _, more = _check_logit_bias(self.logit_bias_text)
+        for t, b in more.items():
+            text[t] = text.get(t, 0.0) + b
+        self.logit_bias_text = text
         breakers = self.dry_sequence_breakers
         if not isinstance(breakers, (list, tuple)) or not all(isinstance(b, str) for b in breakers):
             raise BadRequestError(f"dry_sequence_breakers must be a list of strings, got {breakers!r}")
@@ -138,22 +145,26 @@ _FLOAT_FIELDS = frozenset(
 )
 
 
-def _check_logit_bias(bias) -> dict[int, float]:
-    """A dict {id: bias} or llama-server's [[id, bias], ...]; `false` means -inf (never)."""
+def _check_logit_bias(bias) -> tuple[dict[int, float], dict[str, float]]:
+    """A dict {id: bias} or llama-server's [[id, bias], ...]; `false` means -inf (never).
+    A key that is text, not an id, biases the tokens of that text: returned apart."""
     items = bias.items() if isinstance(bias, dict) else bias
     out: dict[int, float] = {}
+    text: dict[str, float] = {}
     try:
         for tok, b in items:
             if isinstance(tok, str) and tok.isdigit():
                 tok = int(tok)  # JSON object keys arrive as strings
             if isinstance(tok, np.integer):
                 tok = int(tok)
-            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-                raise BadRequestError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            is_text = isinstance(tok, str) and tok != ""
+            if not is_text and (not isinstance(tok, int) or isinstance(tok, bool) or tok < 0):
+                raise BadRequestError(f"logit_bias keys must be token ids (integers >= 0) or text, got {tok!r}")
             b = -math.inf if b is False else b
             if isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b) or b == math.inf:
-                raise BadRequestError(f"logit_bias for token {tok} must be a number (or false = never), got {b!r}")
-            out[tok] = out.get(tok, 0.0) + float(b)
+                raise BadRequestError(f"logit_bias for token {tok!r} must be a number (or false = never), got {b!r}")
+            into = text if is_text else out
+            into[tok] = into.get(tok, 0.0) + float(b)
     except (TypeError, ValueError):
         raise BadRequestError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
-    return out
+    return out, text

@@ -149,23 +149,27 @@ def _samplers(body: Body, key: str) -> list[str]:
     return [s for s in v if s not in _FOREIGN_STAGES]
 
 
-def logit_bias(body: Body, key: str) -> dict[int, float]:
-    """OpenAI's {"id": bias} or llama-server's [[id, bias], ...]; a bias of false bans the token."""
+def logit_bias(body: Body, key: str) -> dict[int | str, float]:
+    """OpenAI's {"id": bias} or llama-server's [[id, bias], ...], where an entry may also
+    be text (its tokens get the bias); a bias of false bans the token."""
     v = body.get(key)
     if v is None:
         return {}
     pairs = v.items() if isinstance(v, dict) else v if isinstance(v, list) else None
     if pairs is None:
         raise BadRequestError(f"'{body.where}{key}' must be an object of token id -> bias, got {_show(v)}")
-    out: dict[int, float] = {}
+    out: dict[int | str, float] = {}
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise BadRequestError(f"'{body.where}{key}' entries must be [token id, bias] pairs, got {_show(pair)}")
         tok, bias = pair
-        try:
-            tid = int(tok)
-        except (TypeError, ValueError):
-            raise BadRequestError(f"'{body.where}{key}' keys must be token ids, got {_show(tok)}") from None
+        if isinstance(tok, str) and tok and not tok.lstrip("-").isdigit():
+            tid = tok  # llama-server's text form: the engine biases the text's tokens
+        else:
+            try:
+                tid = int(tok)
+            except (TypeError, ValueError):
+                raise BadRequestError(f"'{body.where}{key}' keys must be token ids or text, got {_show(tok)}") from None
         if bias is False:
             out[tid] = -math.inf
         elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
