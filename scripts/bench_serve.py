@@ -7,8 +7,9 @@
 
 Both servers get the same GGUF (a copy with FIM token ids, tests/serving.py, so /infill works),
 threads, slots and context per slot (llama-server splits -c over its slots: -c ctx*parallel);
-llama-server is built from the llama.cpp source llama-cpp-python vendors. They run one after
-the other, never together. Decode: C clients stream `/completion` at once (fixed prompt,
+llama-server is built from the llama.cpp source llama-cpp-python vendors. Both are up for the
+whole run and take turns run by run (an idle one uses no CPU), so drift hits both alike.
+Decode: C clients stream `/completion` at once (fixed prompt,
 temperature 0, ignore_eos); aggregate tok/s = all generated tokens / wall time from the first
 request sent to the last token. localrun runs with `"lookup": false` and with its default
 prompt-lookup speculation. Infill: TTFT of `/infill` on a ~1.5k-token code file, cold (a file
@@ -166,15 +167,24 @@ def fim_requests(url: str, variant: int, target: int) -> tuple[dict, dict, int]:
     return body, warm, count(text)
 
 
-def bench_server(server: Server, variants: dict, a: argparse.Namespace) -> dict:
-    """Every decode variant at every client count, `repeat` rounds, then the infill pairs."""
-    runs: dict = {v: {c: [] for c in a.clients} for v in variants}
+def decode_rounds(servers: dict, a: argparse.Namespace) -> dict:
+    """Every decode variant of every server at every client count, `repeat` rounds, the
+    servers taking turns run by run: on a 2-core machine speed drifts by ±15% over
+    minutes, and a block of runs per server would read that drift as a difference
+    between the servers. An idle server waits on its socket and uses no CPU."""
+    runs: dict = {v: {c: [] for c in a.clients} for _, variants in servers.values() for v in variants}
     for _ in range(a.repeat):
         for c in a.clients:
-            for v, extra in variants.items():
-                body = {"prompt": PROMPT, "n_predict": a.tokens, "temperature": 0, "ignore_eos": True,
-                        "stream": True, "cache_prompt": True, **extra}
-                runs[v][c].append(concurrent(server.url, body, c))
+            for server, variants in servers.values():
+                for v, extra in variants.items():
+                    body = {"prompt": PROMPT, "n_predict": a.tokens, "temperature": 0, "ignore_eos": True,
+                            "stream": True, "cache_prompt": True, **extra}
+                    runs[v][c].append(concurrent(server.url, body, c))
+    return runs
+
+
+def fim_pairs(server: Server, a: argparse.Namespace) -> list:
+    """Cold and warm /infill TTFT, `repeat` pairs, each on a file no slot has seen."""
     fim = []
     for r in range(a.repeat):
         cold, warm, n_tok = fim_requests(server.url, r + 1, a.fim_tokens)
@@ -186,7 +196,7 @@ def bench_server(server: Server, variants: dict, a: argparse.Namespace) -> dict:
         for d in (c, w):  # absolute clock readings mean nothing outside this process
             del d["sent"], d["end"]
         fim.append({"file_tokens": n_tok, "cold": c, "warm": w})
-    return {"decode": runs, "fim": fim}
+    return fim
 
 
 def hardware_gain(model: Path, threads: int, sizes: list[int], tokens: int, repeat: int) -> dict:
@@ -347,26 +357,28 @@ def main() -> int:
         del servers[NATIVE]
     res: dict = {"meta": {"model": str(model), "tokens": a.tokens, "repeat": a.repeat, "clients": a.clients,
                           "loadavg_start": os.getloadavg()[0], **common}, "decode": {}, "fim": {}}
+    started: dict = {}
+    name = ""
     try:  # a server that crashes or answers garbage ends the run with its own words
         for name, (cmd, variants) in servers.items():
             port = free_port()
             print(f"{name}: {' '.join(cmd[:3])} ... (port {port})", file=sys.stderr)
-            srv = Server(name, cmd + ["--port", str(port)], port)
-            try:
-                out = bench_server(srv, variants, a)
-            finally:
-                log = srv.stop()
-            res["decode"].update(out["decode"])
-            res["fim"][name] = out["fim"]
-            if name == NATIVE:  # llama-server logs its per-slot context: check it is --ctx
-                m = re.search(r"n_ctx_slot = (\d+)", log)
-                res["meta"]["llama_server_n_ctx_slot"] = n = int(m.group(1)) if m else None
-                if n != a.ctx:
-                    print(f"warning: llama-server reports {n} tokens per slot, not --ctx {a.ctx}", file=sys.stderr)
+            started[name] = (Server(name, cmd + ["--port", str(port)], port), variants)
+        name = "decode"
+        res["decode"] = decode_rounds(started, a)
+        for name, (srv, _) in started.items():
+            res["fim"][name] = fim_pairs(srv, a)
     except (RuntimeError, httpx.HTTPError, ValueError) as exc:
         print(f"error: {name}: {exc}", file=sys.stderr)
         return 1
     finally:
+        for srv_name, (srv, _) in started.items():
+            log = srv.stop()
+            if srv_name == NATIVE:  # llama-server logs its per-slot context: check it is --ctx
+                m = re.search(r"n_ctx_slot = (\d+)", log)
+                res["meta"]["llama_server_n_ctx_slot"] = n = int(m.group(1)) if m else None
+                if n != a.ctx:
+                    print(f"warning: llama-server reports {n} tokens per slot, not --ctx {a.ctx}", file=sys.stderr)
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()
