@@ -114,9 +114,10 @@ def chat_args(*flags):
 
 def test_settings_round_trip_through_the_form():
     s = settings_from_args(chat_args("--temperature", "0.2", "--top-k", "7", "--seed", "3", "--max-tokens", "50",
-                                     "--logit-bias", "15=-2", "--samplers", "top_k;temperature", "--no-lookup"))
+                                     "--logit-bias", "15=-2", "--logit-bias", " Paris=-5",
+                                     "--samplers", "top_k;temperature", "--no-lookup"))
     values = form_values(s)
-    assert values["temperature"] == "0.2" and values["top_k"] == "7" and values["logit_bias"] == "15=-2"
+    assert values["temperature"] == "0.2" and values["top_k"] == "7" and values["logit_bias"] == '15=-2, " Paris"=-5'
     back = parse_form(values, lookup=False, system="sys", grammar_kind="gbnf")
     assert back.sampling == s.sampling
     assert (back.max_tokens, back.lookup, back.system) == (50, False, "sys")

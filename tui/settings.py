@@ -6,6 +6,7 @@ field, so the panel can mark it and show the reason inline."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -98,8 +99,9 @@ def form_values(s: ChatSettings) -> dict[str, str]:
             out[name] = json.dumps(v)
         elif kind == "order":
             out[name] = ";".join(v) if isinstance(v, (list, tuple)) else (v or "")
-        elif kind == "bias":
-            out[name] = ", ".join(f"{t}={b:g}" for t, b in v.items())
+        elif kind == "bias":  # ids, then llama-server's text form (quoted: spaces matter)
+            items = [f"{t}={b:g}" for t, b in v.items()]
+            out[name] = ", ".join(items + [f"{json.dumps(t)}={b:g}" for t, b in p.logit_bias_text.items()])
         else:
             out[name] = "" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
     out["max_tokens"] = "" if s.max_tokens is None else str(s.max_tokens)
@@ -127,17 +129,32 @@ def _parse_field(name: str, kind: str, text: str):
     if kind == "order":
         return text or None
     if kind == "bias":
-        bias: dict[int, float] = {}
-        for item in filter(None, (i.strip() for i in text.split(","))):
-            tok, _, val = item.partition("=")
-            try:
-                bias[int(tok)] = float(val)
-            except ValueError:
-                raise FieldError(name, f"logit bias takes ID=BIAS, e.g. 15043=-5, got {item!r}") from None
-        return bias
+        return _parse_bias(name, text)
     if name == "seed" and text.lower() in ("", "none", "random"):
         return None
     return _number(name, text, kind)
+
+
+# ID=BIAS, or TEXT=BIAS for every token of TEXT; "TEXT" in quotes keeps its spaces and commas
+_BIAS_ITEM = re.compile(r'\s*(?:("(?:[^"\\]|\\.)*")|([^,="]+?))\s*=\s*([^,]+?)\s*(?:,|$)')
+
+
+def _parse_bias(name: str, text: str) -> dict[int | str, float]:
+    bias: dict[int | str, float] = {}
+    at = 0
+    while text[at:].strip():
+        m = _BIAS_ITEM.match(text, at)
+        try:
+            if m is None:
+                raise ValueError
+            key = json.loads(m[1]) if m[1] else m[2].strip()
+            bias[int(key) if isinstance(key, str) and key.isdigit() else key] = float(m[3])
+        except ValueError:  # json.JSONDecodeError is a ValueError too
+            item = text[at:].split(",")[0].strip()
+            raise FieldError(name, f'logit bias takes ID=BIAS or TEXT=BIAS ("TEXT" keeps spaces), e.g. 15043=-5,'
+                                   f' got {item!r}') from None
+        at = m.end()
+    return bias
 
 
 def parse_form(values: dict[str, str], lookup: bool, system: str, grammar_kind: str) -> ChatSettings:
