@@ -369,7 +369,7 @@ def test_fifty_seeded_runs_on_llama_cpp(llama_backend, llama_tok, kind):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("LOCALRUN_MLX_FIFTY"),
-                    reason="150 MLX runs take ~12 min here (MLX's CPU build decodes SmolLM2 f16 at ~2.4 tok/s);"
+                    reason="150 MLX runs took 16 min here (MLX's CPU build decodes SmolLM2 f16 at ~2.4 tok/s);"
                            " set LOCALRUN_MLX_FIFTY=1 to run them")
 @pytest.mark.parametrize("kind", list(CASES))
 def test_fifty_seeded_runs_on_mlx(mlx_engine, kind):
