@@ -13,8 +13,9 @@ Decode: C clients stream `/completion` at once (fixed prompt,
 temperature 0, ignore_eos); aggregate tok/s = all generated tokens / wall time from the first
 request sent to the last token. localrun runs with `"lookup": false` and with its default
 prompt-lookup speculation. Infill: TTFT of `/infill` on a ~1.5k-token code file, cold (a file
-no slot has seen) and warm (the same file after typing at the cursor: the prefix cache holds
-all the text before it). For context: the batching gain native llama.cpp gets on the same
+no slot has seen) and warm (the same file after typing at the cursor), the typing sent in
+llama.vim's shape (the cursor's line in `prompt`, after the FIM middle mark) and in the
+whole-prefix shape other editors use. For context: the batching gain native llama.cpp gets on the same
 model and threads (llama-bench ppB/pp1, llama-batched-bench).
 """
 
@@ -153,18 +154,25 @@ def code_file(variant: int, n_funcs: int) -> str:
     return head + "\n\n".join(funcs)
 
 
-def fim_requests(url: str, variant: int, target: int) -> tuple[dict, dict, int]:
-    """Cold and warm /infill bodies for a file of about `target` tokens. The cursor sits in the
-    second-to-last function after `total += `; the warm request re-reads the typed text, the
-    suffix and the FIM marks (~125 tokens with SmolLM2), so cold/warm can reach ~file/125."""
+def fim_requests(url: str, variant: int, target: int) -> tuple[dict, dict, dict, int]:
+    """/infill bodies for a file of about `target` tokens, the cursor in the second-to-last
+    function after `total += `: cold (a file no slot has seen), then two warm ones after
+    the user typed "item." at the cursor, in the two shapes editors send.
+    - "line": llama.vim's shape. The cursor's line up to the cursor goes in `prompt`,
+      which follows the FIM middle mark, so typing changes only the prompt's last tokens.
+    - "prefix": the whole text before the cursor in `input_prefix` (Ollama's `suffix` FIM,
+      Continue, Zed). Typing changes the prefix's end, so the suffix and the FIM marks after
+      it are read again (~125 tokens with SmolLM2): cold/warm can reach ~file/125."""
     count = lambda text: len(httpx.post(url + "/tokenize", json={"content": text}, timeout=60).json()["tokens"])  # noqa: E731
     per_func = count(code_file(variant, 10)) / 10
     text = code_file(variant, max(3, round(target / per_func)))
     cut = text.rindex("total += ", 0, text.rindex("def ")) + len("total += ")
-    body = {"input_prefix": text[:cut], "input_suffix": text[cut:], "n_predict": 4, "temperature": 0,
-            "ignore_eos": True, "stream": True, "cache_prompt": True}
-    warm = dict(body, input_prefix=text[:cut] + "item.")  # the user typed a few characters
-    return body, warm, count(text)
+    line = text.rindex("\n", 0, cut) + 1
+    body = {"input_prefix": text[:line], "prompt": text[line:cut], "input_suffix": text[cut:], "n_predict": 4,
+            "temperature": 0, "ignore_eos": True, "stream": True, "cache_prompt": True}
+    warm_line = dict(body, prompt=text[line:cut] + "item.")
+    warm_prefix = dict(body, input_prefix=text[:cut] + "item.", prompt="")
+    return body, warm_line, warm_prefix, count(text)
 
 
 def decode_rounds(servers: dict, a: argparse.Namespace) -> dict:
@@ -184,18 +192,19 @@ def decode_rounds(servers: dict, a: argparse.Namespace) -> dict:
 
 
 def fim_pairs(server: Server, a: argparse.Namespace) -> list:
-    """Cold and warm /infill TTFT, `repeat` pairs, each on a file no slot has seen."""
+    """Cold, then warm /infill TTFT in both editor shapes, `repeat` times, each on a file no
+    slot has seen."""
     fim = []
     for r in range(a.repeat):
-        cold, warm, n_tok = fim_requests(server.url, r + 1, a.fim_tokens)
+        cold, warm_line, warm_prefix, n_tok = fim_requests(server.url, r + 1, a.fim_tokens)
         try:
-            c, w = (stream_one(server.url, "/infill", body) for body in (cold, warm))
+            c, wl, wp = (stream_one(server.url, "/infill", body) for body in (cold, warm_line, warm_prefix))
         except (RuntimeError, httpx.HTTPError) as exc:
             fim.append({"file_tokens": n_tok, "error": str(exc)})
             continue
-        for d in (c, w):  # absolute clock readings mean nothing outside this process
+        for d in (c, wl, wp):  # absolute clock readings mean nothing outside this process
             del d["sent"], d["end"]
-        fim.append({"file_tokens": n_tok, "cold": c, "warm": w})
+        fim.append({"file_tokens": n_tok, "cold": c, "warm_line": wl, "warm_prefix": wp})
     return fim
 
 
@@ -273,11 +282,13 @@ def summarize(res: dict, clients: list[int], slots: int) -> dict:
         runs = [f for f in runs if "error" not in f]
         if not runs:
             continue  # its errors are among the notes
-        cold, warm = (med([f[k]["ttft_ms"] for f in runs]) for k in ("cold", "warm"))
-        w = runs[-1]["warm"]
-        fim.append({"server": name, "file_tokens": runs[-1]["file_tokens"], "cold_ttft_ms": cold,
-                    "warm_ttft_ms": warm, "cold_over_warm": div(cold, warm),
-                    "warm_cache_prompt": f"{w['cache_n']}/{w['prompt_n']}"})
+        cold = med([f["cold"]["ttft_ms"] for f in runs])
+        for shape in ("line", "prefix"):
+            warm = med([f[f"warm_{shape}"]["ttft_ms"] for f in runs])
+            w = runs[-1][f"warm_{shape}"]
+            fim.append({"server": name, "warm shape": shape, "file_tokens": runs[-1]["file_tokens"],
+                        "cold_ttft_ms": cold, "warm_ttft_ms": warm, "cold_over_warm": div(cold, warm),
+                        "warm_cache_prompt": f"{w['cache_n']}/{w['prompt_n']}"})
     notes = [f"{name} /infill: {f['error']}" for name, runs in res["fim"].items() for f in runs if "error" in f]
     notes += [f"{v} x{c}: {s['error']}" for v in dec for c in dec[v] for s in dec[v][c] if "error" in s]
     notes += [f"{v} x{c}: generated {s['short']} tokens, not n_predict" for v in dec for c in dec[v]
@@ -292,7 +303,8 @@ def report(summary: dict) -> None:
     table(["clients", "localrun", "+lookup", NATIVE, "ratio", "ratio+lookup", "localrun C/1", "server C/1",
            "ppB/pp1", "batched B/1"], [list(r.values()) for r in summary["decode"]])
     print("\n/infill TTFT ms (median); cache/prompt = the servers' own cache_n/prompt_n for the warm request")
-    table(["server", "file tokens", "cold TTFT", "warm TTFT", "cold/warm", "warm cache/prompt"],
+    print("warm shape: line = typing goes to `prompt`, the cursor's line (llama.vim); prefix = to `input_prefix`")
+    table(["server", "warm shape", "file tokens", "cold TTFT", "warm TTFT", "cold/warm", "warm cache/prompt"],
           [list(r.values()) for r in summary["fim"]])
     for note in summary["notes"]:
         print("note:", note)
