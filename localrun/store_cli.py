@@ -80,7 +80,7 @@ def cmd_rm(args) -> int:
             try:  # drop the repo and org folders when they are empty now
                 if folder != models_dir() and folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
-            except OSError:
+            except OSError:  # a folder something else just wrote into stays; the model is gone
                 pass
         print(f"deleted {m.name}")
     return 0

@@ -39,7 +39,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from serving import FIM_IDS, free_port, make_fim_copy  # noqa: E402
+from serving import FIM_IDS, free_port, make_fim_copy, stop_process  # noqa: E402
 
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache/localrun/test-models"))
 ALIASES = {"smollm2": MODELS / "smollm2-135m-instruct-q4_1.gguf", "gemma3": MODELS / "gemma-3-270m-q4_k_m.gguf"}
@@ -65,20 +65,14 @@ class Server:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
+            except httpx.HTTPError:  # not listening yet: try again after the pause below
                 pass
             time.sleep(0.3)
         stream_one(self.url, "/completion", {"prompt": "Hello", "n_predict": 4, "stream": True})
 
     def stop(self) -> str:
         """Stop the process, delete its log and return the log's text."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
         text = Path(self.log.name).read_text(errors="replace")
         Path(self.log.name).unlink(missing_ok=True)

@@ -52,14 +52,19 @@ class Server:
         return self.log.read()[-4000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """Ask a server process to exit (it finishes its streams), then kill it after grace_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def make_fim_copy(src: Path, dst: Path) -> Path:

@@ -203,7 +203,7 @@ class _PsHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, *args):
+    def log_message(self, *args):  # keep test output clean
         pass
 
 
