@@ -64,6 +64,10 @@ class Backend(Protocol):
     n_ctx: int  # context size of each sequence
     n_seq: int  # how many sequences may be live at once
     n_batch: int  # most tokens one decode call may carry in total
+    # True when one decode computes together only sequences with consecutive ids, and
+    # each gap costs another forward pass (llama.cpp's KV stream per sequence); the
+    # engine then keeps busy slots adjacent (localrun/slots.py)
+    batches_neighbours_only: bool
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]: ...
 

@@ -257,8 +257,13 @@ class LlamaCppBackend:
         check_batch(batch, self.n_seq, self.n_ctx, self.n_batch)
         b = self._batch
         tok, pos, nsq, sid, lgt = b.token, b.pos, b.n_seq_id, b.seq_id, b.logits
+        # With a KV stream per sequence, llama.cpp puts in one ubatch only sequences whose
+        # ids rise by one from the batch's first token on; any other order splits a step
+        # into several decodes. So the batch goes in seq order (and runs of consecutive
+        # ids are the engine's business: see Engine._compact).
+        ordered = sorted(batch, key=lambda e: e.seq)
         i = 0
-        for e in batch:
+        for e in ordered:
             first_out = len(e.tokens) - e.n_logits
             for j, t in enumerate(e.tokens):
                 tok[i] = t
@@ -280,21 +285,21 @@ class LlamaCppBackend:
             raise ModelLoadError(f"llama_decode failed with code {rc} (batch of {i} tokens)")
         self._ledger.fed(batch)
         n_out = sum(e.n_logits for e in batch)
-        out: list[np.ndarray] = []
         if n_out == 0:
             return [np.empty((0, self.n_vocab), np.float32) for _ in batch]
-        # Rows with logits sit contiguously in batch order in the context's output buffer.
+        # Rows with logits sit contiguously in llama_batch order in the context's output buffer.
         ptr = _lc.llama_get_logits(self._ctx)
         rows = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
-        r = 0
-        for e in batch:
-            out.append(rows[r : r + e.n_logits])
+        by_seq, r = {}, 0
+        for e in ordered:
+            by_seq[e.seq] = rows[r : r + e.n_logits]
             r += e.n_logits
-        return out
+        return [by_seq[e.seq] for e in batch]
 
     # -- interrupting a decode ---------------------------------------------------
 
     can_interrupt = True
+    batches_neighbours_only = True  # split_equal(sequential) with a KV stream per sequence
 
     def _arm_interrupt(self, ctx) -> None:
         """ggml asks its abort callback `bool f(void *data)` between graph nodes, on its

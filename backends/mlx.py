@@ -238,6 +238,7 @@ class MLXBackend:
         return out
 
     can_interrupt = False
+    batches_neighbours_only = False  # each sequence runs its own pass (see decode)
 
     def interrupt(self) -> None:
         """MLX evaluates a pass as one graph; there is no point to stop it at. Callers

@@ -23,7 +23,7 @@ import numpy as np
 from localrun.backends import open_backend
 from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted, ModelInfo
 
-from . import chat_template
+from . import chat_template, slots
 from .errors import BadRequestError, ContextExceededError, LocalrunError
 from .grammar import Grammar, GrammarMatcher, build_tokenizer
 from .sampling import Sampler, SamplingParams, TokenText
@@ -236,18 +236,40 @@ class Engine:
             raise BadRequestError(f"max_tokens must be >= 0, got {max_tokens}")
 
     def _pick_slot(self, tokens: list[int]) -> tuple[int, int]:
-        """The free slot whose KV shares the longest prefix with `tokens`, and how many
-        of those cached tokens to keep. At least the last prompt token is always fed
-        again (its logits start the answer). A cache that cannot be cut back that far
-        (an MLX rotating window) makes `kv_trim` refuse, and `start` falls back to a
-        fresh slot."""
-        best, keep = self._free[0], 0
-        for seq in self._free:
-            n = min(_common_prefix(self.backend.kv_tokens(seq), tokens), len(tokens) - 1)
-            if n > keep:
-                best, keep = seq, n
-        self._free.remove(best)
-        return best, keep
+        """A free slot for `tokens` and how many of its cached tokens to keep: the slot
+        whose KV shares the longest prefix with them, or, on a backend that batches only
+        neighbouring slots, the one that keeps the busy slots together (with the longest
+        cached prefix copied there when that saves enough reading; see slots.py). At
+        least the last prompt token is always fed again (its logits start the answer).
+        A cache that cannot be cut back that far (an MLX rotating window) makes `kv_trim`
+        refuse, and `start` falls back to a fresh slot."""
+        shared = {s: min(_common_prefix(self.backend.kv_tokens(s), tokens), len(tokens) - 1) for s in self._free}
+        if self.backend.batches_neighbours_only:
+            busy = set(range(self.backend.n_seq)).difference(self._free)
+            seq, source = slots.place(self._free, busy, shared)
+            if source is not None:
+                self.backend.kv_copy(source, seq, shared[source])
+                shared[seq] = shared[source]
+        else:
+            seq = min(self._free, key=lambda s: (-shared[s], s))
+        self._free.remove(seq)
+        return seq, shared[seq]
+
+    def _gather(self, gens: Sequence[Generation]) -> None:
+        """Move one generation into a free slot when that joins the busy slots into fewer
+        runs (others finished around it): each run costs the step a forward pass."""
+        if not self.backend.batches_neighbours_only or not self._free:
+            return
+        by_seq = {g.seq: g for g in gens}
+        step = slots.move({s: g.max_tokens - len(g.output) for s, g in by_seq.items()}, self._free)
+        if step is None:
+            return
+        src, dst = step
+        g = by_seq[src]
+        self.backend.kv_copy(src, dst, g.n_cached)
+        self._free.remove(dst)
+        self._free.append(src)  # its KV stays there for a later prompt that shares it
+        g.seq = dst
 
     def release(self, gen: Generation) -> None:
         """Give the generation's slot back; its KV stays for the next prompt that shares
@@ -261,6 +283,7 @@ class Engine:
         """One backend decode across every unfinished generation; events keyed by seq.
         `budget` caps the tokens of this step (default and ceiling: the backend's n_batch)."""
         live = [g for g in gens if not g.done]
+        self._gather(live)
         # decoding sequences first: their single token must not wait behind a prefill
         live.sort(key=lambda g: len(g.pending) > 1)
         budget = self.backend.n_batch if budget is None else max(1, min(budget, self.backend.n_batch))

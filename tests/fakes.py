@@ -39,7 +39,9 @@ class ScriptedBackend:
         n_seq: int = 2,
         n_batch: int = 16,
         logits_fn: Callable[[list[int]], np.ndarray] | None = None,
+        batches_neighbours_only: bool = False,
     ) -> None:
+        self.batches_neighbours_only = batches_neighbours_only
         self.script = script or (lambda hist: EOS)
         self.logits_fn = logits_fn
         self.n_ctx, self.n_seq, self.n_batch = n_ctx, n_seq, n_batch
@@ -110,3 +112,14 @@ def text_script(answer: bytes) -> Callable[[list[int]], int]:
         return answer[i] if i < len(answer) else EOS
 
     return script
+
+
+def step_all(engine, gens) -> None:
+    """Step generations together until all are done, releasing each as it finishes (as
+    the server's scheduler does, so its slot is free for the others to move into)."""
+    live = list(gens)
+    while live:
+        engine.step(live)
+        for g in [g for g in live if g.done]:
+            engine.release(g)
+            live.remove(g)

@@ -119,6 +119,11 @@ def test_two_sequences_in_one_decode(engine):
     r0, r1 = be.decode([BatchEntry(0, p0, 0, 1), BatchEntry(1, p1, 0, 1)])
     assert int(r0[-1].argmax()) == int(solo0.argmax())
     assert int(r1[-1].argmax()) == int(solo1.argmax())
+    # entries in any order: each gets its own rows back (llama.cpp is fed them in seq order)
+    fresh(engine, 0, 1)
+    q1, q0 = be.decode([BatchEntry(1, p1, 0, 1), BatchEntry(0, p0, 0, 1)])
+    np.testing.assert_allclose(q0, r0, atol=1e-3)
+    np.testing.assert_allclose(q1, r1, atol=1e-3)
 
 
 def test_batch_limits_are_checked(engine):

@@ -11,6 +11,8 @@ from localrun.errors import ContextExceededError
 from localrun.sampling import SamplingParams
 from localrun.textstream import Utf8Stream
 
+from fakes import step_all
+
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = [
     "Name three colors.",
@@ -131,3 +133,20 @@ def test_two_generations_stepped_together_match_solo(llama_engine):
         llama_engine.release(ga)
         llama_engine.release(gb)
     assert ga.output == solo_a and gb.output == solo_b
+
+
+def test_a_generation_moved_to_a_neighbouring_slot_matches_solo(smollm2_gguf):
+    """llama.cpp batches only neighbouring slots, so when the middle one of three
+    generations ends, the engine copies the last one's KV into the gap mid-answer; its
+    greedy tokens stay those of a solo run."""
+    with Engine.open(smollm2_gguf, n_ctx=256, n_seq=3) as eng:
+        prompts = [chat(eng, p) for p in PROMPTS[:3]]
+        limits = [16, 3, 16]
+        solo = [eng.complete(p, sampling=GREEDY, max_tokens=n, lookup=False).tokens for p, n in zip(prompts, limits)]
+        for s in range(eng.backend.n_seq):
+            eng.backend.kv_clear(s)  # no cached prompts: each starts in its own slot, 0, 1, 2
+        gens = [eng.start(p, sampling=GREEDY, max_tokens=n, lookup=False) for p, n in zip(prompts, limits)]
+        assert [g.seq for g in gens] == [0, 1, 2]
+        step_all(eng, gens)
+        assert gens[2].seq == 1  # moved into the gap the second one left
+        assert [g.output for g in gens] == solo
