@@ -166,3 +166,25 @@ def test_interrupt_stops_a_decode_and_keeps_the_cache_as_it_was(llama_engine):
     be.kv_trim(0, len(head) - 1)
     again = np.array(be.decode([BatchEntry(0, head[-1:], len(head) - 1, 1)])[0])
     assert np.allclose(again, before, atol=1e-3)
+
+
+def test_kv_copy_mid_answer_is_exact_with_a_sliding_window_cache(gemma3_gguf):
+    """The engine moves a running generation to a neighbouring slot by copying its KV
+    (localrun/slots.py). Gemma-3 keeps a sliding-window cache beside the full one; after
+    the copy, the next step in the new slot gives the very row the old slot gives."""
+    from localrun.engine import Engine
+
+    with Engine.open(gemma3_gguf, n_ctx=256, n_seq=3) as eng:
+        be = eng.backend
+        toks = eng.chat_prompt([{"role": "user", "content": "Name three colors."}])
+        row = last_row(be, 2, toks, 0)
+        for _ in range(4):  # a few answer tokens, one step each, as the engine feeds them
+            toks.append(int(row.argmax()))
+            row = last_row(be, 2, toks[-1:], len(toks) - 1)
+        n = len(toks)
+        be.kv_copy(2, 1, n)
+        assert be.kv_tokens(1) == toks
+        nxt = [int(row.argmax())]
+        moved = np.array(last_row(be, 1, nxt, n))
+        stayed = np.array(last_row(be, 2, nxt, n))
+        np.testing.assert_array_equal(moved, stayed)
