@@ -294,6 +294,8 @@ def summarize(res: dict, clients: list[int], slots: int) -> dict:
 def report(summary: dict) -> None:
     print("\naggregate decode tok/s (median); C/1 = gain over the first client count; ppB/pp1 and"
           " batched B/1 = llama.cpp's own gain at B = min(clients, slots)")
+    print("(ppB/pp1 asks logits of one row of a B-token batch; B streams need B rows, and on a CPU the output"
+          " layer costs each row a share of a step (Gemma-3's 262k vocabulary: a third): batched B/1 includes them)")
     table(["clients", "localrun", "+lookup", NATIVE, "ratio", "ratio+lookup", "localrun C/1", "server C/1",
            "ppB/pp1", "batched B/1"], [list(r.values()) for r in summary["decode"]])
     print("\n/infill TTFT ms (median); cache/prompt = the servers' own cache_n/prompt_n for the warm request")
