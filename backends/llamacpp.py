@@ -260,7 +260,7 @@ class LlamaCppBackend:
         # With a KV stream per sequence, llama.cpp puts in one ubatch only sequences whose
         # ids rise by one from the batch's first token on; any other order splits a step
         # into several decodes. So the batch goes in seq order (and runs of consecutive
-        # ids are the engine's business: see Engine._compact).
+        # ids are the engine's business: see localrun/slots.py).
         ordered = sorted(batch, key=lambda e: e.seq)
         i = 0
         for e in ordered:
