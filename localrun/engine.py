@@ -244,14 +244,13 @@ class Engine:
         A cache that cannot be cut back that far (an MLX rotating window) makes `kv_trim`
         refuse, and `start` falls back to a fresh slot."""
         shared = {s: min(_common_prefix(self.backend.kv_tokens(s), tokens), len(tokens) - 1) for s in self._free}
-        if self.backend.batches_neighbours_only:
-            busy = set(range(self.backend.n_seq)).difference(self._free)
-            seq, source = slots.place(self._free, busy, shared)
-            if source is not None:
-                self.backend.kv_copy(source, seq, shared[source])
-                shared[seq] = shared[source]
-        else:
-            seq = min(self._free, key=lambda s: (-shared[s], s))
+        # where neighbours do not matter, no slot counts as busy: place() then simply
+        # picks the longest prefix and never copies
+        busy = set(range(self.backend.n_seq)).difference(self._free) if self.backend.batches_neighbours_only else ()
+        seq, source = slots.place(self._free, busy, shared)
+        if source is not None:
+            self.backend.kv_copy(source, seq, shared[source])
+            shared[seq] = shared[source]
         self._free.remove(seq)
         return seq, shared[seq]
 
