@@ -5,6 +5,15 @@ file must be caught here, with a typed one-line error, while the process is stil
 safe. Every read is bounds-checked against the file size, and every count read
 from the file is checked against the bytes that remain before anything loops or
 allocates on it, so a kv_count of 2**60 fails at once instead of hanging.
+
+A model split by gguf-split (`name-00001-of-00003.gguf`, ...) is checked as llama.cpp
+will open it: the first part names the count (`split.count`), the other parts are
+found by llama.cpp's naming rule, and each is parsed with the same limits.
+
+An error names the file, the field and the byte offset, and never quotes the file:
+no magic bytes, no key or tensor names, no string values (a server may be asked to
+read any path; its answer must not leak what a non-model file holds). Numbers of the
+header (version, counts, shapes) are named only once the file carries the GGUF magic.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +30,8 @@ from gguf import GGML_QUANT_SIZES
 
 from localrun.errors import LocalrunError, MalformedModelError, ModelNotFoundError, UnsupportedFormatError
 
-__all__ = ["ArrayInfo", "GGUFSummary", "MalformedGGUFError", "TensorInfo", "check_gguf", "is_gguf"]
+__all__ = ["ArrayInfo", "GGUFSummary", "MalformedGGUFError", "TensorInfo", "check_gguf", "is_gguf",
+           "split_part_paths"]
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit lengths; a different layout
@@ -33,6 +44,7 @@ MAX_NAME = 64  # GGML_MAX_NAME: llama.cpp rejects tensor names of 64 bytes or mo
 SMALL_ARRAY = 64  # arrays shorter than this are kept whole in the summary
 INT64_MAX = (1 << 63) - 1
 DEFAULT_ALIGNMENT = 32
+MAX_SPLIT_COUNT = 0xFFFF  # llama.cpp reads split.count as a uint16
 
 # GGUF value types 0..12; STRING and ARRAY have no fixed-size struct.
 _STRING, _ARRAY, _BOOL = 8, 9, 7
@@ -88,18 +100,93 @@ class GGUFSummary:
     tensors: tuple[TensorInfo, ...]
 
 
-def is_gguf(path: str | os.PathLike[str]) -> bool:
-    """True when the file starts with the GGUF magic; reads 4 bytes, never raises."""
+def _open_regular(path: str):
+    """Open a regular file for reading; a FIFO, device or folder is refused without blocking
+    (opening a FIFO for reading waits for a writer; O_NONBLOCK makes that open return)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     try:
-        with open(path, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsupportedFormatError(f"{path}: not a regular file; a GGUF model is a plain file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """True when a regular file starts with the GGUF magic; reads 4 bytes, never raises."""
+    try:
+        with _open_regular(os.fspath(path)) as f:
             return f.read(4) == MAGIC
-    except OSError:
+    except (OSError, LocalrunError):
         return False
 
 
 def check_gguf(path: str | os.PathLike[str]) -> GGUFSummary:
-    """Parse and validate the whole container; raise MalformedGGUFError on any flaw."""
-    return _parse(path)
+    """Parse and validate the whole container; raise MalformedGGUFError on any flaw.
+
+    For the first part of a split model every other part is validated too, as llama.cpp
+    will open them (a one-line error names the part); the summary is the first part's."""
+    summary = _parse(path)
+    _check_split_parts(os.fspath(path), summary)
+    return summary
+
+
+def split_part_paths(first: str | os.PathLike[str], count: int) -> list[str]:
+    """The paths llama.cpp opens for a model split into `count` parts, given the first
+    (llama_split_prefix / llama_split_path: `<prefix>-%05d-of-%05d.gguf`, numbered from 1).
+    A first part whose name does not end that way cannot be loaded: a one-line error."""
+    spath = os.fspath(first)
+    suffix = f"-{1:05d}-of-{count:05d}.gguf"
+    if not spath.endswith(suffix) or len(spath) == len(suffix):
+        raise UnsupportedFormatError(
+            f"{spath}: its header says it is part 1 of a model split in {count}, but its name does not end in"
+            f" {suffix!r}, so llama.cpp cannot find the other parts; keep the names gguf-split gave them")
+    prefix = spath[: -len(suffix)]
+    return [f"{prefix}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
+def _split_field(summary: GGUFSummary, key: str, label: str, limit: int = MAX_SPLIT_COUNT) -> int | None:
+    """An integer split.* value, None when absent; a non-integer is a malformed file."""
+    value = summary.metadata.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise MalformedModelError(f"{label}: malformed GGUF: {key} is not an integer 0..{limit};"
+                                  " the file is corrupt; download it again")
+    return value
+
+
+def _check_split_parts(first: str, summary: GGUFSummary) -> None:
+    """Validate parts 2..N of a split model whose first part is `first` (already parsed)."""
+    count = _split_field(summary, "split.count", first)
+    if count is None or count <= 1:
+        return  # one file: nothing else to open
+    number = _split_field(summary, "split.no", first)
+    if number is None:
+        raise MalformedModelError(f"{first}: malformed GGUF: split.count without split.no;"
+                                  " the file is corrupt; download it again")
+    if number != 0:
+        raise UnsupportedFormatError(f"{first} is part {number + 1} of a model split in {count}; open its first"
+                                     f" part (the file whose name ends in -00001-of-{count:05d}.gguf)")
+    n_tensors = summary.n_tensors
+    for i, part in enumerate(split_part_paths(first, count)[1:], start=1):
+        label = f"{part} (part {i + 1} of {count})"
+        if not os.path.exists(part):
+            raise ModelNotFoundError(f"{label} is missing: a split model loads only with every part beside"
+                                     " the first; download the missing part")
+        part_summary = _parse(part, label=label)
+        if _split_field(part_summary, "split.no", label) != i:
+            raise MalformedModelError(f"{label}: its split.no does not say part {i + 1}; it belongs to another"
+                                      " split model or is corrupt; download the parts again")
+        if _split_field(part_summary, "split.count", label) not in (None, count):
+            raise MalformedModelError(f"{label}: its split.count differs from the first part's; it belongs to"
+                                      " another split model; download the parts again")
+        n_tensors += part_summary.n_tensors
+    expected = _split_field(summary, "split.tensors.count", first, limit=MAX_TENSORS * count)
+    if expected is not None and expected != n_tensors:
+        raise MalformedModelError(f"{first}: the parts hold {n_tensors} tensors, the first part promises"
+                                  f" {expected}; a part is from another split model; download the parts again")
 
 
 class _Reader:
@@ -133,7 +220,7 @@ class _Reader:
         self.pos += n
         return self.buf[self.pos - n:self.pos]
 
-    def name(self, what: str) -> str:
+    def name(self, what: str) -> str:  # keys and tensor names; never put into an error
         start, raw = self.pos, self.raw_string(what)
         try:
             return raw.decode("utf-8")
@@ -187,27 +274,29 @@ class _Reader:
         self.pos = pos
 
 
-def _parse(path: str | os.PathLike[str], trace: list | None = None) -> GGUFSummary:
-    """The parser; `trace` (tests only) collects (field label, byte offset) pairs."""
+def _parse(path: str | os.PathLike[str], trace: list | None = None, label: str | None = None) -> GGUFSummary:
+    """The parser; `trace` (tests only) collects (field label, byte offset) pairs;
+    `label` names the file in errors (a split part: "<path> (part 2 of 3)")."""
     spath = os.fspath(path)
+    label = label or spath
     try:
-        with open(spath, "rb") as f:
+        with _open_regular(spath) as f:
             size = os.fstat(f.fileno()).st_size
             if size < 4:  # mmap refuses empty files; too short for a magic anyway
-                raise MalformedGGUFError(spath, f"file is only {size} bytes, no GGUF header", 0)
+                raise MalformedGGUFError(label, f"file is only {size} bytes, no GGUF header", 0)
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse_buffer(_Reader(buf, size, spath, trace))
+                return _parse_buffer(_Reader(buf, size, label, trace))
     except FileNotFoundError:
-        raise ModelNotFoundError(f"{spath}: no such file") from None
+        raise ModelNotFoundError(f"{label}: no such file") from None
     except LocalrunError:
         raise
     except OSError as e:
-        raise UnsupportedFormatError(f"{spath}: cannot read the file: {e.strerror or e}") from None
+        raise UnsupportedFormatError(f"{label}: cannot read the file: {e.strerror or e}") from None
 
 
 def _parse_buffer(r: _Reader) -> GGUFSummary:
     if r.buf[:4] != MAGIC:
-        raise r.fail(f"bad magic {bytes(r.buf[:4])!r}, expected {MAGIC!r}", 0)
+        raise r.fail("bad magic (not a GGUF file)", 0)  # never the bytes: they may be a secret
     r.pos = 4
     r.mark("version")
     version = r.read(_U32, "version")
@@ -231,15 +320,15 @@ def _parse_buffer(r: _Reader) -> GGUFSummary:
         start = r.pos
         key = r.name("key")
         if key in metadata:
-            raise r.fail(f"duplicate key {key[:80]!r}", start)
+            raise r.fail(f"duplicate key (kv #{i})", start)
         r.mark(f"kv[{i}].type")
-        t = r.value_type(f"type of key {key[:80]!r}")
+        t = r.value_type(f"type of kv #{i}")
         r.mark(f"kv[{i}].value")
         metadata[key] = r.value(t)
         if key == "general.alignment":
             a = metadata[key]
             if t not in _INTEGER_TYPES or a <= 0 or a & (a - 1):
-                raise r.fail(f"general.alignment {a!r} is not a positive power of two", start)
+                raise r.fail("general.alignment is not a positive power of two", start)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
 
     infos = []
@@ -248,7 +337,7 @@ def _parse_buffer(r: _Reader) -> GGUFSummary:
         r.mark(f"tensor[{i}].name")
         start = r.pos
         name = r.name("tensor name")
-        what = f"tensor {name[:80]!r}"
+        what = f"tensor #{i}"
         if len(name.encode()) >= MAX_NAME:
             raise r.fail(f"{what}: name is {MAX_NAME} bytes or longer", start)
         if name in names:
@@ -282,9 +371,9 @@ def _parse_buffer(r: _Reader) -> GGUFSummary:
     r.mark("data")
     if n_tensors and data_offset > r.size:
         raise r.fail(f"truncated: data section starts past the end ({r.size} bytes)", r.size)
-    for info, field_at in infos:
+    for i, (info, field_at) in enumerate(infos):
         if data_offset + info.offset + info.nbytes > r.size:
-            raise r.fail(f"truncated: tensor {info.name[:80]!r} data ({info.nbytes} bytes at data "
+            raise r.fail(f"truncated: tensor #{i} data ({info.nbytes} bytes at data "
                          f"offset {info.offset}) runs past the end ({r.size} bytes)", field_at)
     return GGUFSummary(version, n_tensors, n_kv, alignment, data_offset, r.size, metadata,
                        tuple(info for info, _ in infos))

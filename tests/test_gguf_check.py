@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from gguf.quants import quantize
 
-from localrun.errors import MalformedModelError, ModelNotFoundError
+from localrun.errors import MalformedModelError, ModelNotFoundError, UnsupportedFormatError
 from localrun.gguf_check import (
     ArrayInfo,
     GGUFSummary,
@@ -28,6 +28,7 @@ from localrun.gguf_check import (
     _parse,
     check_gguf,
     is_gguf,
+    split_part_paths,
 )
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -204,10 +205,10 @@ def test_truncation_inside_the_data_section(valid, tmp_path):
     path, data, off = valid
     s = check_gguf(path)
     p = tmp_path / "cut.gguf"
-    for t in s.tensors:
+    for i, t in enumerate(s.tensors):
         for end in (s.data_offset + t.offset, s.data_offset + t.offset + t.nbytes - 1):
             p.write_bytes(data[:end])
-            rejects(p, "truncated:", t.name)
+            assert t.name not in str(rejects(p, "truncated:", f"tensor #{i}"))  # an index, not file bytes
     # Padding after the last tensor is optional.
     last = s.tensors[-1]
     p.write_bytes(data[:s.data_offset + last.offset + last.nbytes])
@@ -257,7 +258,8 @@ def test_invalid_array_element_type_and_length(valid, tmp_path):
 def test_duplicate_key(valid, tmp_path):
     _, data, off = valid
     at = field(off, "kv", "test.eps", data)
-    rejects(patched(tmp_path, data, at + 8, "8s", b"test.big"[:8]), "duplicate key")
+    e = rejects(patched(tmp_path, data, at + 8, "8s", b"test.big"[:8]), "duplicate key")
+    assert "test.big" not in str(e)  # the key is the file's bytes: named by its index instead
 
 
 @pytest.mark.parametrize("alignment", [0, 3, 48])
@@ -321,6 +323,147 @@ def test_duplicate_tensor_name(valid, tmp_path):
     _, data, off = valid
     at = off["tensor[1].name"] + 8
     rejects(patched(tmp_path, data, at, "1s", b"a"), "duplicate tensor")
+
+
+# --- errors never quote the file ---------------------------------------------
+
+def test_a_non_gguf_file_is_refused_without_echoing_its_bytes(tmp_path):
+    """`/api/show {"model": "~/.ssh/id_ed25519"}` must not answer with the key's first bytes."""
+    secret = tmp_path / "id_ed25519"
+    secret.write_bytes(b"SECRETKEY-0123456789abcdef" * 8)
+    e = rejects(secret, "bad magic", "not a GGUF file")
+    for leak in ("SECR", "SECRETKEY", repr(b"SECR"), "0123"):
+        assert leak not in str(e), str(e)
+    assert not is_gguf(secret)
+
+
+def test_string_and_type_errors_do_not_echo_keys_or_values(tmp_path):
+    p = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(p, arch="llama")
+    w.add_string("secret.token", "hunter2")
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    data = p.read_bytes()
+    trace: list = []
+    _parse(p, trace)
+    off = dict(trace)
+    type_at = off[label_of(off, field(off, "kv", "secret.token", data)).replace(".key", ".type")]
+    e = rejects(patched(tmp_path, data, type_at, "<I", 99), "value type")
+    assert "secret.token" not in str(e)
+
+    w = gguf.GGUFWriter(p, arch="llama")
+    w.add_string("general.alignment", "hunter2")  # a string where a number belongs: refused, not quoted
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    e = rejects(p, "general.alignment")
+    assert "hunter2" not in str(e)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    """Opening a FIFO for reading waits for a writer: a request naming one must not hang a thread."""
+    import threading
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    outcome: dict = {}
+
+    def check() -> None:
+        try:
+            check_gguf(fifo)
+        except Exception as exc:  # noqa: BLE001 - the test looks at the type below
+            outcome["error"] = exc
+        outcome["gguf"] = is_gguf(fifo)
+
+    t = threading.Thread(target=check, daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():  # unblock the reader so the test process can end, then fail
+        with open(fifo, "wb"):
+            pass
+        t.join(5)
+        pytest.fail("check_gguf blocked on a FIFO")
+    assert isinstance(outcome["error"], UnsupportedFormatError) and "not a regular file" in str(outcome["error"])
+    assert outcome["gguf"] is False
+
+
+# --- split models (gguf-split: name-00001-of-00003.gguf, ...) ---------------------
+
+def write_split(folder: Path, stem: str = "model") -> list[Path]:
+    """A model split one tensor per part, as gguf-split writes it (split.no/count/tensors.count)."""
+    w = gguf.GGUFWriter(folder / f"{stem}.gguf", arch="llama", split_max_tensors=1)
+    w.add_name("split test")
+    for name, (arr, qtype) in TENSORS.items():
+        w.add_tensor(name, quantize(arr, Q8) if qtype == Q8 else arr, raw_dtype=Q8 if qtype == Q8 else None)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    parts = [folder / f"{stem}-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    assert all(p.is_file() for p in parts)
+    return parts
+
+
+@pytest.fixture
+def split(tmp_path) -> list[Path]:
+    return write_split(tmp_path)
+
+
+def test_split_model_passes_and_parts_are_where_llama_cpp_looks(split):
+    import ctypes
+
+    import llama_cpp
+
+    s = check_gguf(split[0])
+    assert (s.metadata["split.no"], s.metadata["split.count"], s.metadata["split.tensors.count"]) == (0, 3, 3)
+    assert [t.name for t in s.tensors] == ["a.weight"]  # the summary is the first part's
+    assert split_part_paths(split[0], 3) == [str(p) for p in split]
+    prefix = str(split[0])[: -len("-00001-of-00003.gguf")]
+    for i, part in enumerate(split):  # llama.cpp's own naming rule gives the same paths
+        buf = ctypes.create_string_buffer(4096)
+        n = llama_cpp.llama_split_path(buf, len(buf), prefix.encode(), i, 3)
+        assert buf.value[:n].decode() == str(part)
+
+
+def test_a_missing_part_is_named(split):
+    split[1].unlink()
+    with pytest.raises(ModelNotFoundError) as ei:
+        check_gguf(split[0])
+    msg = str(ei.value)
+    assert "\n" not in msg and str(split[1]) in msg and "part 2 of 3" in msg and "missing" in msg
+
+
+def test_a_truncated_part_is_named(split):
+    data = split[2].read_bytes()
+    split[2].write_bytes(data[: len(data) - 40])
+    e = rejects(split[2], "truncated")  # the part on its own
+    with pytest.raises(MalformedGGUFError) as ei:
+        check_gguf(split[0])  # and through the first part, as a load would
+    msg = str(ei.value)
+    assert f"{split[2]} (part 3 of 3)" in msg and "truncated" in msg and "\n" not in msg
+    assert e.offset == ei.value.offset
+
+
+def test_bad_magic_in_part_two_is_named_without_its_bytes(split):
+    data = split[1].read_bytes()
+    split[1].write_bytes(b"SECR" + data[4:])
+    with pytest.raises(MalformedGGUFError) as ei:
+        check_gguf(split[0])
+    msg = str(ei.value)
+    assert f"{split[1]} (part 2 of 3)" in msg and "bad magic" in msg and "SECR" not in msg
+
+
+def test_a_later_part_alone_is_refused_with_the_way_out(split):
+    with pytest.raises(UnsupportedFormatError, match=r"part 2 of a model split in 3; open its first part"):
+        check_gguf(split[1])
+
+
+def test_a_part_under_the_wrong_name_is_refused(split):
+    split[1].write_bytes(split[2].read_bytes())  # part 3's bytes under part 2's name
+    with pytest.raises(MalformedModelError, match=r"part 2 of 3\): its split.no does not say part 2"):
+        check_gguf(split[0])
+
+
+def test_a_renamed_first_part_cannot_find_its_parts(split, tmp_path):
+    renamed = tmp_path / "model.gguf"
+    split[0].rename(renamed)
+    with pytest.raises(UnsupportedFormatError, match=r"does not end in '-00001-of-00003.gguf'"):
+        check_gguf(renamed)
 
 
 # --- random corruption ------------------------------------------------------
