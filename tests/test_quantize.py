@@ -267,6 +267,77 @@ def test_interrupt_and_full_disk_leave_nothing_at_out(f16, tmp_path, monkeypatch
     assert not out.exists() and not _leftovers(tmp_path)
 
 
+def _record_syncs(monkeypatch) -> list[tuple]:
+    """Record fsyncs (of a file or a folder, by inode) and renames, in order."""
+    import stat
+
+    events: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", Path(src).stat().st_ino, Path(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_finished_output_is_fsynced_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
+    """A rename alone can reach the disk before the bytes do (a power cut leaves a named,
+    empty or torn file): the file is synced first, the folder holding the new name after."""
+    from localrun.quant.atomic import atomic_output, replace_durably
+
+    events = _record_syncs(monkeypatch)
+    out = tmp_path / "out.gguf"
+    with atomic_output(out) as tmp:
+        tmp.write_bytes(b"GGUF finished bytes")
+    assert out.read_bytes() == b"GGUF finished bytes"
+    file_ino, folder_ino = out.stat().st_ino, tmp_path.stat().st_ino
+    assert events == [("fsync", "file", file_ino), ("replace", file_ino, out), ("fsync", "dir", folder_ino)]
+
+    # a finished folder (an MLX model): every file and the folder itself before the rename
+    events.clear()
+    staged = tmp_path / ".model.partial"
+    staged.mkdir()
+    (staged / "config.json").write_text("{}")
+    (staged / "model.safetensors").write_bytes(b"weights")
+    inodes = {p.stat().st_ino for p in staged.iterdir()} | {staged.stat().st_ino}
+    replace_durably(staged, tmp_path / "model")
+    *before, rename, after = events
+    assert {ino for _, _, ino in before} == inodes and rename[0] == "replace" and rename[2] == tmp_path / "model"
+    assert after == ("fsync", "dir", folder_ino)
+
+
+def test_a_folder_that_cannot_be_fsynced_is_skipped(tmp_path, monkeypatch):
+    """Some file systems (and Windows) refuse to fsync a folder: the data was synced; go on."""
+    import errno
+    import stat
+
+    from localrun.quant.atomic import atomic_output
+
+    real_fsync = os.fsync
+    synced_files = []
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        synced_files.append(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out.bin"
+    with atomic_output(out) as tmp:
+        tmp.write_bytes(b"x")
+    assert out.read_bytes() == b"x" and not _leftovers(tmp_path)
+    assert synced_files == [out.stat().st_ino]  # the bytes were still synced
+
+
 def test_low_bit_types_refuse_to_run_without_an_importance_matrix(f16, tmp_path):
     for t in ("IQ2_XXS", "IQ1_S", "IQ2_M"):
         with pytest.raises(BadRequestError, match=f"{t} needs an importance matrix.*--imatrix.*--calibration"):
