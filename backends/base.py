@@ -95,6 +95,11 @@ class Backend(Protocol):
         A backend that cannot stop mid-pass has `can_interrupt = False` and ignores it."""
         ...
 
+    def clear_interrupt(self) -> None:
+        """Withdraw an `interrupt()` that came after the decode it was meant for had
+        already finished, so it cannot abort the next decode (other clients' step)."""
+        ...
+
     def kv_trim(self, seq: int, n_keep: int) -> None:
         """Drop every cached position >= n_keep of `seq`."""
         ...

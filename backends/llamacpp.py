@@ -315,6 +315,9 @@ class LlamaCppBackend:
     def interrupt(self) -> None:
         ctypes.memmove(self._abort_flag, b"x", 1)
 
+    def clear_interrupt(self) -> None:
+        ctypes.memmove(self._abort_flag, b"\0", 1)
+
     # -- embeddings --------------------------------------------------------------
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:

@@ -94,6 +94,9 @@ class ScriptedBackend:
     def interrupt(self) -> None:
         """Nothing runs long enough to stop."""
 
+    def clear_interrupt(self) -> None:
+        """Nothing to withdraw."""
+
     def kv_tokens(self, seq: int) -> list[int]:
         return self.kv[seq]
 

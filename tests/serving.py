@@ -1,6 +1,6 @@
-"""Test helpers for `localrun serve`: a real server process on a free port, and a copy of
-a GGUF with fill-in-the-middle token ids written into its metadata (the small test
-models have none)."""
+"""Test helpers for `localrun serve`: a real server process on a free port, and copies of
+a GGUF with metadata changed: fill-in-the-middle token ids (the small test models have
+none), or another chat template."""
 
 from __future__ import annotations
 
@@ -69,6 +69,17 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 20) -> None:
 
 def make_fim_copy(src: Path, dst: Path) -> Path:
     """Copy a GGUF, adding FIM_IDS to its metadata; tensors are copied byte for byte."""
+    return copy_gguf_with(src, dst, uint32=FIM_IDS)
+
+
+def make_template_copy(src: Path, dst: Path, template: str) -> Path:
+    """Copy a GGUF whose chat template is `template` (a model file anyone could publish)."""
+    return copy_gguf_with(src, dst, strings={"tokenizer.chat_template": template})
+
+
+def copy_gguf_with(src: Path, dst: Path, uint32: dict | None = None, strings: dict | None = None) -> Path:
+    """Copy a GGUF with metadata keys added or replaced; tensors are copied byte for byte."""
+    uint32, strings = uint32 or {}, strings or {}
     reader = GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     tmp = dst.with_name(dst.name + ".tmp")
@@ -76,13 +87,17 @@ def make_fim_copy(src: Path, dst: Path) -> Path:
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
             continue
+        if name in uint32 or name in strings:
+            continue
         kind = field.types[0]
         if kind == GGUFValueType.ARRAY:
             writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
         else:
             writer.add_key_value(name, field.contents(), kind)
-    for name, tok in FIM_IDS.items():
-        writer.add_uint32(name, tok)
+    for name, value in uint32.items():
+        writer.add_uint32(name, value)
+    for name, value in strings.items():
+        writer.add_string(name, value)
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()
