@@ -11,7 +11,14 @@ each file). Downloading is our own, because the Hub client checks only sizes:
 - every LFS file is checked against the sha256 the Hub published (other files against
   their git blob id); a mismatch deletes the bytes and downloads once more, then fails;
 - only verified files are renamed into the store, the first part of a split model last,
-  an MLX folder as a whole: nothing partial ever sits where a finished model belongs.
+  an MLX folder as a whole: nothing partial ever sits where a finished model belongs;
+  each file is fsynced before its rename and its folder after it;
+- a file the Hub gives no hash for (neither an LFS sha256 nor a git blob id) is refused
+  before any byte is fetched, unless the caller allows unverified files;
+- "already installed" is proved by hash, once: a file of the right size is hashed and,
+  when it matches, a hidden marker beside it (`.<name>.verified`: the hash, the size and
+  the mtime) lets later pulls skip the hashing; a file that changed since (another
+  mtime or size) is hashed again, and a same-size corrupt file is downloaded again.
 
 HF_ENDPOINT is read at each call (huggingface_hub reads it once, at import), so tests
 can point a running process at a local Hub-like server.
@@ -31,11 +38,13 @@ from typing import Callable
 from urllib.parse import quote
 
 from localrun.errors import BadRequestError, LocalrunError, ModelNotFoundError
+from localrun.quant.atomic import atomic_output, replace_durably
 from localrun.quant.quant_types import SPLIT_SUFFIX, quant_from_filename
 from localrun.store import DOWNLOADS, models_dir, parse_name
 
 CHUNK = 1 << 20
 MLX_FILE_TYPES = (".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja")
+VERIFIED_SUFFIX = ".verified"
 Progress = Callable[[str, int, int], None]  # (file name, bytes done, bytes total)
 
 
@@ -400,47 +409,137 @@ def _lock(folder: Path):
     return fh
 
 
-def install(repo: str, revision: str, variant: Variant, progress: Progress | None = None) -> Path:
-    """Download a variant into the store; returns the model path (first GGUF part or MLX folder)."""
+def _expected_hash(f: RepoFile) -> str | None:
+    """What the Hub says the bytes hash to: "sha256:<hex>" (LFS), "git-blob:<hex>", or None."""
+    if f.sha256:
+        return "sha256:" + f.sha256.lower()
+    if f.git_oid:
+        return "git-blob:" + f.git_oid.lower()
+    return None
+
+
+def verified_marker(path: Path) -> Path:
+    """The hidden file beside an installed file that records its verified hash."""
+    return path.with_name(f".{path.name}{VERIFIED_SUFFIX}")
+
+
+def _marker_record(path: Path, f: RepoFile) -> dict:
+    st = path.stat()
+    return {"hash": _expected_hash(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _remember_verified(path: Path, f: RepoFile) -> None:
+    """Record that `path` (as it is now: size and mtime) holds the bytes the Hub hashed."""
+    text = json.dumps(_marker_record(path, f))
+    try:
+        with atomic_output(verified_marker(path)) as tmp:
+            tmp.write_text(text)
+    except LocalrunError:
+        return  # a read-only store folder: the file is still verified, only the next pull hashes again
+
+
+def _is_verified(path: Path, f: RepoFile) -> bool:
+    """True when the marker says `path` was verified against this hash and has not changed since."""
+    try:
+        return json.loads(verified_marker(path).read_text()) == _marker_record(path, f)
+    except (OSError, ValueError):
+        return False
+
+
+def _holds_expected_bytes(path: Path, f: RepoFile) -> bool:
+    """Hash an installed file (once: a match is remembered beside it)."""
+    hasher = _new_hasher(f)
+    _hash_existing(path, hasher)
+    want = (f.sha256 or f.git_oid or "").lower()
+    if hasher.hexdigest() != want:
+        return False
+    _remember_verified(path, f)
+    return True
+
+
+def _refuse_unverifiable(repo: str, variant: Variant, allow_unverified: bool) -> None:
+    unhashed = [f.path for f in variant.files if _expected_hash(f) is None]
+    if unhashed and not allow_unverified:
+        shown = ", ".join(unhashed[:3]) + (f" and {len(unhashed) - 3} more" if len(unhashed) > 3 else "")
+        raise DownloadError(f"the Hub gives no sha256 (nor git blob id) for {shown} in {repo}, so what arrives"
+                            " cannot be checked; pass --allow-unverified to download it anyway")
+
+
+def _needs_download(targets: list[Path], files: tuple[RepoFile, ...],
+                    announce: Callable[[str], None] | None) -> list[int]:
+    """Indices of the files to (re)download: missing, another size, or bytes that do not
+    hash to what the Hub says. A file without a hash (allowed unverified) is judged by size."""
+    todo = []
+    for i, (target, f) in enumerate(zip(targets, files)):
+        if not target.is_file() or target.stat().st_size != f.size:
+            todo.append(i)
+        elif _expected_hash(f) is not None and not _is_verified(target, f):
+            if announce:
+                announce(f"checking {target.name} against the Hub's hash (once)")
+            if not _holds_expected_bytes(target, f):
+                if announce:
+                    announce(f"{target.name} differs from the Hub's file; downloading it again")
+                todo.append(i)
+    return todo
+
+
+def install(repo: str, revision: str, variant: Variant, progress: Progress | None = None,
+            allow_unverified: bool = False, announce: Callable[[str], None] | None = None) -> Path:
+    """Download a variant into the store; returns the model path (first GGUF part or MLX folder).
+    Files already installed and proved by hash are kept; the others are downloaded."""
     org, name = repo.split("/", 1)
     final_repo = models_dir() / org / name
     staging = models_dir() / DOWNLOADS / org / name
     rels = [safe_relpath(f.path) for f in variant.files]  # refuse bad names before any byte is written
+    _refuse_unverifiable(repo, variant, allow_unverified)
     if variant.format == "gguf":
         targets = [final_repo.joinpath(*r.parts) for r in rels]
-        if all(t.exists() and t.stat().st_size == f.size for t, f in zip(targets, variant.files)):
-            return targets[0]
-    elif _is_complete_mlx(final_repo, variant):
-        return final_repo
+        result = targets[0]
+    else:
+        targets = [final_repo / r.name for r in rels]
+        result = final_repo
+    whole_mlx = variant.format == "mlx" and not all(
+        t.is_file() and t.stat().st_size == f.size for t, f in zip(targets, variant.files))
+    todo = list(range(len(targets))) if whole_mlx else _needs_download(targets, variant.files, announce)
+    if not todo:
+        return result
     lock = _lock(staging)
     try:
-        parts = []
-        for f, rel in zip(variant.files, rels):
-            part = staging.joinpath(*rel.parts)
-            part = part.with_name(part.name + ".part")
-            parts.append(download_file(repo, revision, f, part, progress))
-        if variant.format == "gguf":
-            for part, target in reversed(list(zip(parts, targets))):  # the first part appears last
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(part, target)
-            return targets[0]
-        folder = staging.with_name(name + ".mlx-staging")
-        folder.mkdir(parents=True, exist_ok=True)
-        for part, rel in zip(parts, rels):
-            os.replace(part, folder / rel.name)
-        if final_repo.exists():
-            if any(final_repo.iterdir()):
-                raise DownloadError(f"{final_repo} exists and is not this MLX model; remove it first")
-            final_repo.rmdir()
-        final_repo.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(folder, final_repo)  # the whole folder appears at once
-        return final_repo
+        parts = {}
+        for i in todo:
+            part = staging.joinpath(*rels[i].parts)
+            parts[i] = download_file(repo, revision, variant.files[i], part.with_name(part.name + ".part"), progress)
+        if whole_mlx:
+            return _install_mlx_folder(final_repo, staging.with_name(name + ".mlx-staging"),
+                                       [(parts[i], rels[i].name, variant.files[i]) for i in todo])
+        for i in reversed(todo):  # a split model's first part appears last
+            targets[i].parent.mkdir(parents=True, exist_ok=True)
+            replace_durably(parts[i], targets[i])
+            if _expected_hash(variant.files[i]) is not None:
+                _remember_verified(targets[i], variant.files[i])
+        return result
     finally:
         for meta in staging.rglob("*.part.json"):
             if not meta.with_name(meta.name[: -len(".json")]).exists():
                 meta.unlink()
         lock.close()
         _drop_finished_staging(staging)
+
+
+def _install_mlx_folder(final_repo: Path, folder: Path, files: list[tuple[Path, str, RepoFile]]) -> Path:
+    """Gather verified downloads in a staging folder, then rename it into place at once."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for part, file_name, f in files:
+        os.replace(part, folder / file_name)  # within the staging area: synced with the folder below
+        if _expected_hash(f) is not None:
+            _remember_verified(folder / file_name, f)  # a rename keeps the mtime: the marker stays true
+    if final_repo.exists():
+        if any(final_repo.iterdir()):
+            raise DownloadError(f"{final_repo} exists and is not this MLX model; remove it first")
+        final_repo.rmdir()
+    final_repo.parent.mkdir(parents=True, exist_ok=True)
+    replace_durably(folder, final_repo)  # the whole folder appears at once
+    return final_repo
 
 
 def _drop_finished_staging(staging: Path) -> None:
@@ -456,11 +555,6 @@ def _drop_finished_staging(staging: Path) -> None:
             folder.rmdir()  # only when empty
         except OSError:
             break
-
-
-def _is_complete_mlx(folder: Path, variant: Variant) -> bool:
-    return folder.is_dir() and all((folder / f.path).exists() and (folder / f.path).stat().st_size == f.size
-                                   for f in variant.files)
 
 
 # -- pull --------------------------------------------------------------------------
@@ -508,8 +602,11 @@ def plan_pull(name: str, n_ctx: int | None = None, budget=None, kv_type: str | N
 
 
 def pull(name: str, n_ctx: int | None = None, budget=None, kv_type: str | None = None,
-         progress: Progress | None = None, announce: Callable[[str], None] | None = None) -> tuple[PullPlan, Path]:
+         progress: Progress | None = None, announce: Callable[[str], None] | None = None,
+         allow_unverified: bool = False) -> tuple[PullPlan, Path]:
+    """Plan and install a model; allow_unverified downloads files the Hub gives no hash for."""
     plan = plan_pull(name, n_ctx, budget, kv_type)
+    _refuse_unverifiable(plan.repo, plan.variant, allow_unverified)  # before anything is announced
     if announce:
         announce(f"pulling {plan.name}: {plan.note}")
-    return plan, install(plan.repo, plan.revision, plan.variant, progress)
+    return plan, install(plan.repo, plan.revision, plan.variant, progress, allow_unverified, announce)

@@ -58,6 +58,7 @@ def cmd_ls(args) -> int:
 def cmd_rm(args) -> int:
     import shutil
 
+    from localrun.hub import verified_marker
     from localrun.store import find_models, models_dir, split_parts
 
     matches = find_models(args.name)
@@ -76,6 +77,7 @@ def cmd_rm(args) -> int:
         else:
             for p in split_parts(m.path) or [m.path]:
                 p.unlink()
+                verified_marker(p).unlink(missing_ok=True)  # `pull`'s record that the bytes were checked
         for folder in (m.path.parent if m.format == "gguf" else m.path, m.path.parent.parent):
             try:  # drop the repo and org folders when they are empty now
                 if folder != models_dir() and folder.is_dir() and not any(folder.iterdir()):
@@ -163,7 +165,7 @@ def cmd_pull(args) -> int:
     budget = _budget(args)
     try:
         plan, path = pull(args.name, n_ctx=args.ctx, budget=budget, kv_type=args.kv_cache_type, progress=_Bar(),
-                          announce=lambda msg: print(msg, file=sys.stderr))
+                          announce=lambda msg: print(msg, file=sys.stderr), allow_unverified=args.allow_unverified)
     except KeyboardInterrupt:
         print("\ninterrupted: the same `localrun pull` resumes where this one stopped", file=sys.stderr)
         raise
@@ -286,6 +288,8 @@ def add_commands(sub) -> None:
     cmd("ps", cmd_ps, "models loaded by a running `localrun serve`")
     p = cmd("pull", cmd_pull, "download a model from the Hugging Face Hub (the best quant that fits, unless named)")
     p.add_argument("name", help="org/repo or org/repo:QUANT")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="download files the Hub gives no hash for (their bytes cannot be checked)")
     _memory_flags(p)
     p = cmd("fit", cmd_fit, "which quants of a model fit this machine")
     p.add_argument("model", help="a path, an installed name, or a Hub repo org/repo")

@@ -10,6 +10,8 @@ It answers what huggingface_hub and localrun's downloader ask:
 A repo is a dict {file name: Path or bytes}; `.gguf` and `.safetensors` files are
 "LFS" files (sha256 in the metadata), the rest plain git blobs (sha1 blob id).
 Unknown repos answer 404 with `X-Error-Code: RepoNotFound` as the Hub does.
+A file named in `server.no_hash` is listed by model_info with its size only (no LFS
+sha256, no git blob id), as a mirror without file metadata may answer.
 
 Faults (`server.faults`, consumed in order by GETs of the matching file):
   Fault("cut", after=N)       send N bytes of the body, then drop the connection
@@ -60,6 +62,7 @@ class HubServer:
     def __init__(self, repos: dict[str, dict[str, Path | bytes]]) -> None:
         self.repos = repos
         self.faults: list[Fault] = []
+        self.no_hash: set[str] = set()  # file names model_info lists without any hash
         self.log: list[tuple[str, str, str | None]] = []
         self.stopping = threading.Event()
         self.lock = threading.Lock()
@@ -97,6 +100,9 @@ class HubServer:
         siblings = []
         for name, content in self.repos[repo].items():
             e = self.entry(name, content)
+            if name in self.no_hash:
+                siblings.append({"rfilename": name, "size": e["size"]})
+                continue
             s = {"rfilename": name, "size": e["size"], "blobId": e["oid"]}
             if "lfs" in e:
                 s["lfs"] = {"sha256": e["lfs"]["oid"], "size": e["size"], "pointerSize": 134}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import subprocess
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hubserver import COMMIT, Fault, HubServer, cli_command
+from hubserver import COMMIT, Fault, HubServer, cli_command, run_cli
 from localrun import hub
 from localrun.errors import ModelNotFoundError
 from localrun.hub import DownloadError, list_repo, plan_pull, pull, remote_shape, safe_relpath, variants
@@ -70,9 +71,11 @@ def hubenv(served, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALRUN_LMSTUDIO_MODELS", str(tmp_path / "lms"))
     monkeypatch.setenv("LOCALRUN_DOWNLOAD_TIMEOUT", "0.5")
     served.faults = []
+    served.no_hash = set()
     served.log.clear()
     yield served
     served.faults = []
+    served.no_hash = set()
 
 
 def file_gets(server: HubServer, name: str) -> list[str | None]:
@@ -216,10 +219,119 @@ def test_mlx_repo_lands_as_one_folder(hubenv, tmp_path, smollm2_mlx):
     repo = "mlx-community/SmolLM2-135M-Instruct-f16"
     plan, path = pull(repo)
     assert path == tmp_path / "models" / repo and plan.variant.format == "mlx"
-    assert sorted(p.name for p in path.iterdir()) == sorted(p.name for p in smollm2_mlx.iterdir() if p.is_file())
+    names = sorted(p.name for p in smollm2_mlx.iterdir() if p.is_file())
+    assert sorted(p.name for p in path.iterdir() if not p.name.startswith(".")) == names
+    assert sorted(p.name for p in path.iterdir() if p.name.startswith(".")) == sorted(f".{n}.verified" for n in names)
     assert sha256(path / "model.safetensors") == sha256(smollm2_mlx / "model.safetensors")
     assert resolve_model(repo) == path
     assert_clean(tmp_path)
+
+
+def hash_calls(monkeypatch) -> list[str]:
+    """The names of the files the puller hashes from disk (installed files and resumed parts)."""
+    calls: list[str] = []
+    real = hub._hash_existing
+
+    def counting(path, hasher):
+        calls.append(Path(path).name)
+        return real(path, hasher)
+
+    monkeypatch.setattr(hub, "_hash_existing", counting)
+    return calls
+
+
+def test_installed_is_proved_by_hash_once_then_remembered(hubenv, tmp_path, smollm2_gguf, monkeypatch):
+    _, path = pull(f"{SMOL}:Q4_1")
+    marker = hub.verified_marker(path)
+    assert marker.name == f".{Q4}.verified"
+    st = path.stat()
+    assert json.loads(marker.read_text()) == {"hash": "sha256:" + sha256(smollm2_gguf), "size": st.st_size,
+                                              "mtime_ns": st.st_mtime_ns}
+    calls = hash_calls(monkeypatch)
+    hubenv.log.clear()
+    assert pull(f"{SMOL}:Q4_1")[1] == path and calls == [] and file_gets(hubenv, Q4) == []  # cheap: no hashing
+
+    marker.unlink()  # installed before markers existed: hashed once, then remembered
+    notes: list[str] = []
+    pull(f"{SMOL}:Q4_1", announce=notes.append)
+    assert calls == [Q4] and file_gets(hubenv, Q4) == [] and marker.exists()
+    assert any("checking" in n and Q4 in n for n in notes)
+    pull(f"{SMOL}:Q4_1")
+    assert calls == [Q4]
+
+
+def test_a_same_size_corrupt_install_is_downloaded_again(hubenv, tmp_path, smollm2_gguf):
+    _, path = pull(f"{SMOL}:Q4_1")
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # same size, wrong bytes
+        f.seek(size // 2)
+        f.write(b"\0" * 4096)
+    assert path.stat().st_size == size and sha256(path) != sha256(smollm2_gguf)
+    hubenv.log.clear()
+    notes: list[str] = []
+    assert pull(f"{SMOL}:Q4_1", announce=notes.append)[1] == path
+    assert file_gets(hubenv, Q4) == [None] and sha256(path) == sha256(smollm2_gguf)
+    assert any("differs from the Hub's file" in n for n in notes)
+    assert hub._is_verified(path, next(f for f in list_repo(SMOL)[1] if f.path == Q4))
+    assert_clean(tmp_path)
+
+
+def test_a_corrupt_part_of_a_split_install_is_the_only_one_fetched_again(hubenv, tmp_path):
+    _, first = pull("test-org/split-GGUF:Q4_1")
+    second = first.with_name("smol-Q4_1-00002-of-00002.gguf")
+    good = second.read_bytes()
+    second.write_bytes(bytes(b ^ 0xFF for b in good[:64]) + good[64:])
+    hubenv.log.clear()
+    pull("test-org/split-GGUF:Q4_1")
+    assert second.read_bytes() == good
+    gets = [p for m, p, _ in hubenv.log if m == "GET" and "/resolve/" in p]
+    assert gets == [f"/test-org/split-GGUF/resolve/{COMMIT}/Q4_1/smol-Q4_1-00002-of-00002.gguf"]
+
+
+def test_a_file_without_a_hash_is_refused_unless_allowed(hubenv, tmp_path, smollm2_gguf, capsys):
+    hubenv.no_hash = {Q4}
+    with pytest.raises(DownloadError, match=rf"no sha256 .*for {Q4} in {SMOL}.*--allow-unverified"):
+        pull(f"{SMOL}:Q4_1")
+    assert file_gets(hubenv, Q4) == [] and not installed(tmp_path).exists()
+    assert run_cli(["pull", f"{SMOL}:Q4_1"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: the Hub gives no sha256") and err.count("\n") == 1
+
+    assert run_cli(["pull", "--allow-unverified", f"{SMOL}:Q4_1"]) == 0  # told to: downloaded unchecked
+    assert sha256(installed(tmp_path)) == sha256(smollm2_gguf)
+    assert not hub.verified_marker(installed(tmp_path)).exists()  # nothing to prove it by
+    assert_clean(tmp_path)
+
+
+def test_rm_removes_the_verified_markers(hubenv, tmp_path):
+    _, path = pull(f"{SMOL}:Q4_1")
+    assert hub.verified_marker(path).exists()
+    assert run_cli(["rm", f"{SMOL}:Q4_1"]) == 0
+    assert not (tmp_path / "models" / SMOL).exists()  # the repo folder went with its last file
+
+
+def test_an_installed_file_is_synced_before_its_rename_and_its_folder_after(hubenv, tmp_path, monkeypatch):
+    import stat
+
+    events: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino, Path(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    _, path = pull(f"{SMOL}:Q4_1")
+    ino = path.stat().st_ino
+    at = events.index(("replace", ino, path))
+    assert ("fsync", "file", ino) == events[at - 1]
+    assert events[at + 1] == ("fsync", "dir", path.parent.stat().st_ino)
 
 
 def test_unsafe_file_names_are_refused_before_any_byte(hubenv, tmp_path):
