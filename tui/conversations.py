@@ -1,9 +1,14 @@
 """Saved conversations: one SQLite file in the user's data folder.
 
 Every exchange is saved as it completes, so yesterday's chat is there even if the app
-was closed with Ctrl+Q; `/save TITLE` only names it. A conversation is small (a few
-hundred messages at most), so saving rewrites its message rows in one transaction:
-simple, and a regenerated or cleared answer can never leave stale rows behind.
+was closed with Ctrl+Q; `/save TITLE` only names it. A save writes only what changed
+(the new messages, a rewritten answer, rows past a shortened end), in one transaction.
+
+Two chat windows may share the file (WAL mode: readers never wait for a writer). Each
+conversation carries a version, bumped by every save and rename; a store remembers the
+version it last read or wrote, and a save of a conversation that someone else changed
+since raises ConversationConflictError instead of overwriting their messages. The check
+and the write sit in one BEGIN IMMEDIATE transaction, so no other writer slips between.
 
     store = ConversationStore.open()              # $LOCALRUN_DATA/conversations.db
     cid = store.save(None, "Colors", "org/repo:Q4_K_M", "", messages)
@@ -13,14 +18,17 @@ simple, and a regenerated or cleared answer can never leave stale rows behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from localrun.errors import LocalrunError
+from localrun.quant.atomic import fsync_dir, fsync_file
 from localrun.store import data_dir  # $LOCALRUN_DATA, else the platform's user data folder
 
 _SCHEMA = """
@@ -30,7 +38,8 @@ CREATE TABLE IF NOT EXISTS conversations (
     model TEXT NOT NULL DEFAULT '',
     system TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    version INTEGER NOT NULL DEFAULT 1
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY,
@@ -41,6 +50,20 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, position);
 """
+BUSY_TIMEOUT_S = 5.0  # how long a save waits for another window's write to finish
+
+
+class ConversationConflictError(LocalrunError):
+    """Another chat window changed the conversation after this one read it; nothing was written."""
+
+    def __init__(self, cid: int, title: str) -> None:
+        self.cid, self.title = cid, title
+        shown = " ".join(title.split())[:60]  # one line, whatever the title holds
+        super().__init__(f"conversation {cid} (“{shown}”) was changed by another chat window since this"
+                         " one read it; it was not overwritten")
+
+    def __reduce__(self):
+        return type(self), (self.cid, self.title)
 
 
 @dataclass(frozen=True)
@@ -60,6 +83,7 @@ class Conversation:
     system: str = ""
     messages: list[dict] = field(default_factory=list)  # {"role", "content"}
     updated: float = 0.0
+    version: int = 0  # what load() read; save(version=...) refuses to overwrite a newer one
 
 
 def default_title(messages: list[dict], limit: int = 60) -> str:
@@ -74,12 +98,22 @@ def default_title(messages: list[dict], limit: int = 60) -> str:
 class ConversationStore:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._seen: dict[int, int] = {}  # conversation id -> the version this store last read or wrote
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # one connection, used from the UI thread only; generation never touches it
-            self._db = sqlite3.connect(path, check_same_thread=False)
+            # one connection, used from the UI thread only; generation never touches it.
+            # isolation_level=None: transactions are opened by hand (BEGIN IMMEDIATE below).
+            self._db = sqlite3.connect(path, check_same_thread=False, timeout=BUSY_TIMEOUT_S,
+                                       isolation_level=None)
+            self._db.execute("PRAGMA journal_mode = WAL")  # stays 'delete' where WAL cannot work
             self._db.execute("PRAGMA foreign_keys = ON")
-            self._db.executescript(_SCHEMA)
+            with self._transaction():
+                for statement in _SCHEMA.split(";"):  # not executescript: it would COMMIT first
+                    if statement.strip():
+                        self._db.execute(statement)
+                columns = {row[1] for row in self._db.execute("PRAGMA table_info(conversations)")}
+                if "version" not in columns:  # a store written before versions existed
+                    self._db.execute("ALTER TABLE conversations ADD COLUMN version INTEGER NOT NULL DEFAULT 1")
         except (OSError, sqlite3.Error) as exc:
             raise LocalrunError(
                 f"cannot open the conversation store {path}: {exc}; set LOCALRUN_DATA to a writable folder"
@@ -92,30 +126,74 @@ class ConversationStore:
     def close(self) -> None:
         self._db.close()
 
-    def save(self, cid: int | None, title: str, model: str, system: str, messages: list[dict]) -> int:
-        """Create (cid None) or overwrite a conversation; returns its id."""
+    @contextlib.contextmanager
+    def _transaction(self, write: bool = True) -> Iterator[None]:
+        """A write takes the lock before it reads (BEGIN IMMEDIATE), so a check and the
+        write it guards see the same rows: a deferred transaction could read a version
+        that another window changes before this one writes. A read gets one snapshot."""
+        self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def save(self, cid: int | None, title: str, model: str, system: str, messages: list[dict],
+             version: int | None = None) -> int:
+        """Create (cid None) or update a conversation; returns its id.
+
+        An update checks that the stored conversation is still the one this caller read:
+        `version` when given (Conversation.version from load), else the version this
+        store last read or wrote. A conversation changed by someone else since, or one
+        this store never read, raises ConversationConflictError and nothing is written.
+        A conversation deleted meanwhile is saved again as a new one."""
         now = time.time()
-        with self._db:  # one transaction: all of it is saved, or none
-            if cid is None or not self._exists(cid):
-                cur = self._db.execute(
-                    "INSERT INTO conversations (title, model, system, created, updated) VALUES (?, ?, ?, ?, ?)",
-                    (title, model, system, now, now),
-                )
-                cid = int(cur.lastrowid)
-            else:
-                self._db.execute(
-                    "UPDATE conversations SET title = ?, model = ?, system = ?, updated = ? WHERE id = ?",
-                    (title, model, system, now, cid),
-                )
-                self._db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
-            self._db.executemany(
-                "INSERT INTO messages (conversation_id, position, role, content) VALUES (?, ?, ?, ?)",
-                [(cid, i, m["role"], m["content"]) for i, m in enumerate(messages)],
-            )
+        try:
+            with self._transaction():
+                row = None if cid is None else self._db.execute(
+                    "SELECT version, title FROM conversations WHERE id = ?", (cid,)).fetchone()
+                if row is None:
+                    cur = self._db.execute(
+                        "INSERT INTO conversations (title, model, system, created, updated, version)"
+                        " VALUES (?, ?, ?, ?, ?, 1)", (title, model, system, now, now))
+                    cid, new_version = int(cur.lastrowid), 1
+                    self._append(cid, 0, messages)
+                else:
+                    expected = version if version is not None else self._seen.get(cid)
+                    if expected != row[0]:
+                        raise ConversationConflictError(cid, row[1])
+                    new_version = row[0] + 1
+                    self._db.execute(
+                        "UPDATE conversations SET title = ?, model = ?, system = ?, updated = ?, version = ?"
+                        " WHERE id = ?", (title, model, system, now, new_version, cid))
+                    self._write_changes(cid, messages)
+        except sqlite3.Error as exc:
+            raise LocalrunError(f"cannot save the conversation to {self.path}: {exc}") from None
+        self._seen[cid] = new_version
         return cid
 
-    def _exists(self, cid: int) -> bool:
-        return self._db.execute("SELECT 1 FROM conversations WHERE id = ?", (cid,)).fetchone() is not None
+    def _append(self, cid: int, start: int, messages: list[dict]) -> None:
+        self._db.executemany(
+            "INSERT INTO messages (conversation_id, position, role, content) VALUES (?, ?, ?, ?)",
+            [(cid, start + i, m["role"], m["content"]) for i, m in enumerate(messages)])
+
+    def _write_changes(self, cid: int, messages: list[dict]) -> None:
+        """Rewrite only the rows that differ: an exchange appends two rows, a regenerated
+        answer updates one, a shortened conversation drops its tail."""
+        stored = self._db.execute(
+            "SELECT position, role, content FROM messages WHERE conversation_id = ? ORDER BY position", (cid,)
+        ).fetchall()
+        if [r[0] for r in stored] != list(range(len(stored))):  # gaps or doubles (hand edits): start over
+            self._db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
+            self._append(cid, 0, messages)
+            return
+        changed = [(m["role"], m["content"], cid, i) for i, (m, r) in enumerate(zip(messages, stored))
+                   if (m["role"], m["content"]) != (r[1], r[2])]
+        self._db.executemany(
+            "UPDATE messages SET role = ?, content = ? WHERE conversation_id = ? AND position = ?", changed)
+        self._db.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?", (cid, len(messages)))
+        self._append(cid, len(stored), messages[len(stored):])
 
     def list(self) -> list[ConversationSummary]:
         """Most recently updated first."""
@@ -126,24 +204,36 @@ class ConversationStore:
         return [ConversationSummary(int(r[0]), r[1], r[2], float(r[3]), int(r[4])) for r in rows]
 
     def load(self, cid: int) -> Conversation:
-        row = self._db.execute("SELECT title, model, system, updated FROM conversations WHERE id = ?", (cid,)).fetchone()
+        with self._transaction(write=False):  # one snapshot: the messages belong to the version read
+            row = self._db.execute(
+                "SELECT title, model, system, updated, version FROM conversations WHERE id = ?", (cid,)).fetchone()
+            msgs = [] if row is None else self._db.execute(
+                "SELECT role, content FROM messages WHERE conversation_id = ? ORDER BY position", (cid,)
+            ).fetchall()
         if row is None:
             raise LocalrunError(f"conversation {cid} does not exist (it may have been deleted)")
-        msgs = self._db.execute(
-            "SELECT role, content FROM messages WHERE conversation_id = ? ORDER BY position", (cid,)
-        ).fetchall()
-        return Conversation(cid, row[0], row[1], row[2], [{"role": r, "content": c} for r, c in msgs], float(row[3]))
+        self._seen[cid] = int(row[4])
+        return Conversation(cid, row[0], row[1], row[2], [{"role": r, "content": c} for r, c in msgs],
+                            float(row[3]), int(row[4]))
 
     def rename(self, cid: int, title: str) -> None:
+        """Set a title. A rename is a change other windows must see: it bumps the version
+        (this store keeps up with it only when it had read the version it renamed)."""
         title = title.strip()
         if not title:
             raise LocalrunError("a conversation title cannot be empty")
-        with self._db:
-            self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, cid))
+        with self._transaction():
+            row = self._db.execute("SELECT version FROM conversations WHERE id = ?", (cid,)).fetchone()
+            if row is None:
+                return
+            self._db.execute("UPDATE conversations SET title = ?, version = version + 1 WHERE id = ?", (title, cid))
+        if self._seen.get(cid) == row[0]:
+            self._seen[cid] = row[0] + 1
 
     def delete(self, cid: int) -> None:
-        with self._db:
+        with self._transaction():
             self._db.execute("DELETE FROM conversations WHERE id = ?", (cid,))
+        self._seen.pop(cid, None)
 
     def last_model(self) -> str | None:
         """The model of the most recently updated conversation (what `chat` reopens)."""
@@ -175,7 +265,9 @@ def export_markdown(conv: Conversation, path: Path) -> Path:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(to_markdown(conv))
+            fsync_file(tmp)  # the bytes on the disk before the name points at them
             os.replace(tmp, path)
+            fsync_dir(path.parent)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
