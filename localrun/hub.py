@@ -10,15 +10,14 @@ each file). Downloading is our own, because the Hub client checks only sizes:
   with the whole file (200) is read from the start again;
 - every LFS file is checked against the sha256 the Hub published (other files against
   their git blob id); a mismatch deletes the bytes and downloads once more, then fails;
-- only verified files are renamed into the store, the first part of a split model last,
-  an MLX folder as a whole: nothing partial ever sits where a finished model belongs;
-  each file is fsynced before its rename and its folder after it;
-- a file the Hub gives no hash for (neither an LFS sha256 nor a git blob id) is refused
-  before any byte is fetched, unless the caller allows unverified files;
-- "already installed" is proved by hash, once: a file of the right size is hashed and,
-  when it matches, a hidden marker beside it (`.<name>.verified`: the hash, the size and
-  the mtime) lets later pulls skip the hashing; a file that changed since (another
-  mtime or size) is hashed again, and a same-size corrupt file is downloaded again.
+- only verified files are renamed into the store (fsynced first, their folder after),
+  the first part of a split model last, an MLX folder as a whole: nothing partial ever
+  sits where a finished model belongs;
+- a file the Hub gives no hash for (no LFS sha256, no git blob id) is refused before any
+  byte is fetched, unless the caller allows unverified files;
+- "already installed" is proved by hash once; a hidden `.<name>.verified` beside the file
+  (hash, size, mtime) spares later pulls the hashing until the file changes, and a
+  same-size corrupt file is downloaded again.
 
 HF_ENDPOINT is read at each call (huggingface_hub reads it once, at import), so tests
 can point a running process at a local Hub-like server.
@@ -44,7 +43,6 @@ from localrun.store import DOWNLOADS, models_dir, parse_name
 
 CHUNK = 1 << 20
 MLX_FILE_TYPES = (".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja")
-VERIFIED_SUFFIX = ".verified"
 Progress = Callable[[str, int, int], None]  # (file name, bytes done, bytes total)
 
 
@@ -411,16 +409,12 @@ def _lock(folder: Path):
 
 def _expected_hash(f: RepoFile) -> str | None:
     """What the Hub says the bytes hash to: "sha256:<hex>" (LFS), "git-blob:<hex>", or None."""
-    if f.sha256:
-        return "sha256:" + f.sha256.lower()
-    if f.git_oid:
-        return "git-blob:" + f.git_oid.lower()
-    return None
+    return f"sha256:{f.sha256.lower()}" if f.sha256 else f"git-blob:{f.git_oid.lower()}" if f.git_oid else None
 
 
 def verified_marker(path: Path) -> Path:
     """The hidden file beside an installed file that records its verified hash."""
-    return path.with_name(f".{path.name}{VERIFIED_SUFFIX}")
+    return path.with_name(f".{path.name}.verified")
 
 
 def _marker_record(path: Path, f: RepoFile) -> dict:
@@ -430,10 +424,11 @@ def _marker_record(path: Path, f: RepoFile) -> dict:
 
 def _remember_verified(path: Path, f: RepoFile) -> None:
     """Record that `path` (as it is now: size and mtime) holds the bytes the Hub hashed."""
-    text = json.dumps(_marker_record(path, f))
+    if _expected_hash(f) is None:
+        return  # downloaded unverified (allowed): there is nothing to remember
     try:
         with atomic_output(verified_marker(path)) as tmp:
-            tmp.write_text(text)
+            tmp.write_text(json.dumps(_marker_record(path, f)))
     except LocalrunError:
         return  # a read-only store folder: the file is still verified, only the next pull hashes again
 
@@ -450,8 +445,7 @@ def _holds_expected_bytes(path: Path, f: RepoFile) -> bool:
     """Hash an installed file (once: a match is remembered beside it)."""
     hasher = _new_hasher(f)
     _hash_existing(path, hasher)
-    want = (f.sha256 or f.git_oid or "").lower()
-    if hasher.hexdigest() != want:
+    if hasher.hexdigest() != (f.sha256 or f.git_oid or "").lower():
         return False
     _remember_verified(path, f)
     return True
@@ -465,8 +459,7 @@ def _refuse_unverifiable(repo: str, variant: Variant, allow_unverified: bool) ->
                             " cannot be checked; pass --allow-unverified to download it anyway")
 
 
-def _needs_download(targets: list[Path], files: tuple[RepoFile, ...],
-                    announce: Callable[[str], None] | None) -> list[int]:
+def _needs_download(targets: list[Path], files: tuple[RepoFile, ...], say: Callable[[str], None]) -> list[int]:
     """Indices of the files to (re)download: missing, another size, or bytes that do not
     hash to what the Hub says. A file without a hash (allowed unverified) is judged by size."""
     todo = []
@@ -474,11 +467,9 @@ def _needs_download(targets: list[Path], files: tuple[RepoFile, ...],
         if not target.is_file() or target.stat().st_size != f.size:
             todo.append(i)
         elif _expected_hash(f) is not None and not _is_verified(target, f):
-            if announce:
-                announce(f"checking {target.name} against the Hub's hash (once)")
+            say(f"checking {target.name} against the Hub's hash (once)")
             if not _holds_expected_bytes(target, f):
-                if announce:
-                    announce(f"{target.name} differs from the Hub's file; downloading it again")
+                say(f"{target.name} differs from the Hub's file; downloading it again")
                 todo.append(i)
     return todo
 
@@ -492,15 +483,13 @@ def install(repo: str, revision: str, variant: Variant, progress: Progress | Non
     staging = models_dir() / DOWNLOADS / org / name
     rels = [safe_relpath(f.path) for f in variant.files]  # refuse bad names before any byte is written
     _refuse_unverifiable(repo, variant, allow_unverified)
-    if variant.format == "gguf":
-        targets = [final_repo.joinpath(*r.parts) for r in rels]
-        result = targets[0]
-    else:
-        targets = [final_repo / r.name for r in rels]
-        result = final_repo
-    whole_mlx = variant.format == "mlx" and not all(
+    gguf = variant.format == "gguf"
+    targets = [final_repo.joinpath(*r.parts) if gguf else final_repo / r.name for r in rels]
+    result = targets[0] if gguf else final_repo
+    whole_mlx = not gguf and not all(
         t.is_file() and t.stat().st_size == f.size for t, f in zip(targets, variant.files))
-    todo = list(range(len(targets))) if whole_mlx else _needs_download(targets, variant.files, announce)
+    todo = (list(range(len(targets))) if whole_mlx
+            else _needs_download(targets, variant.files, announce or (lambda _msg: None)))
     if not todo:
         return result
     lock = _lock(staging)
@@ -515,8 +504,7 @@ def install(repo: str, revision: str, variant: Variant, progress: Progress | Non
         for i in reversed(todo):  # a split model's first part appears last
             targets[i].parent.mkdir(parents=True, exist_ok=True)
             replace_durably(parts[i], targets[i])
-            if _expected_hash(variant.files[i]) is not None:
-                _remember_verified(targets[i], variant.files[i])
+            _remember_verified(targets[i], variant.files[i])
         return result
     finally:
         for meta in staging.rglob("*.part.json"):
@@ -531,8 +519,7 @@ def _install_mlx_folder(final_repo: Path, folder: Path, files: list[tuple[Path, 
     folder.mkdir(parents=True, exist_ok=True)
     for part, file_name, f in files:
         os.replace(part, folder / file_name)  # within the staging area: synced with the folder below
-        if _expected_hash(f) is not None:
-            _remember_verified(folder / file_name, f)  # a rename keeps the mtime: the marker stays true
+        _remember_verified(folder / file_name, f)  # a rename keeps the mtime: the marker stays true
     if final_repo.exists():
         if any(final_repo.iterdir()):
             raise DownloadError(f"{final_repo} exists and is not this MLX model; remove it first")
