@@ -85,6 +85,7 @@ def test_an_explicit_version_is_checked_too(tmp_path):
     one, two = ConversationStore(path), ConversationStore(path)
     cid = one.save(None, "t", "m", "", [HI])
     mine = one.load(cid)
+    assert one.known_version(cid) == mine.version and two.known_version(cid) is None
     two.load(cid)
     two.save(cid, "t", "m", "", [HI, HELLO])
     one.load(cid)  # e.g. the history list shows the title: the store's own memory moves on

@@ -173,6 +173,11 @@ class ConversationStore:
         self._seen[cid] = new_version
         return cid
 
+    def known_version(self, cid: int) -> int | None:
+        """The version of `cid` this store last read or wrote (None: never); a caller that
+        keeps it and passes it to save(version=...) is immune to other reads in between."""
+        return self._seen.get(cid)
+
     def _append(self, cid: int, start: int, messages: list[dict]) -> None:
         self._db.executemany(
             "INSERT INTO messages (conversation_id, position, role, content) VALUES (?, ?, ?, ?)",
