@@ -11,59 +11,41 @@ from . import __version__
 from .errors import LocalrunError
 
 
-# (flag, SamplingParams field, type, help); defaults come from SamplingParams itself
-SAMPLING_FLAGS = [
-    ("--temperature", "temperature", float, "0 = greedy"),
-    ("--top-k", "top_k", int, "0 or -1 = off"),
-    ("--top-p", "top_p", float, None),
-    ("--min-p", "min_p", float, None),
-    ("--typical-p", "typical_p", float, "locally typical sampling; 1 = off"),
-    ("--xtc-probability", "xtc_probability", float, "exclude-top-choices chance; 0 = off"),
-    ("--xtc-threshold", "xtc_threshold", float, None),
-    ("--dynatemp-range", "dynatemp_range", float, "dynamic temperature range; 0 = off"),
-    ("--dynatemp-exponent", "dynatemp_exponent", float, None),
-    ("--repeat-penalty", "repeat_penalty", float, "1 = off"),
-    ("--repeat-last-n", "repeat_last_n", int, "-1 = whole context"),
-    ("--presence-penalty", "presence_penalty", float, None),
-    ("--frequency-penalty", "frequency_penalty", float, None),
-    ("--mirostat", "mirostat", int, "0 = off, 1 or 2"),
-    ("--mirostat-tau", "mirostat_tau", float, None),
-    ("--mirostat-eta", "mirostat_eta", float, None),
-    ("--dry-multiplier", "dry_multiplier", float, "DRY repetition penalty; 0 = off"),
-    ("--dry-base", "dry_base", float, None),
-    ("--dry-allowed-length", "dry_allowed_length", int, None),
-    ("--dry-penalty-last-n", "dry_penalty_last_n", int, "-1 = whole context"),
-    ("--seed", "seed", int, "fixed seed for reproducible sampling"),
-]
+# a metavar for each repeatable kind of sampling flag
+_METAVARS = {"strings": "TEXT", "bias": "ID=BIAS"}
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    from .sampling import SamplingParams
+    """One flag per sampler parameter declared with one (localrun.sampling.PARAMETERS):
+    numbers take a value and show their default; lists repeat; `--samplers` takes names."""
+    from .sampling import PARAMETERS
 
-    defaults = SamplingParams()
     g = p.add_argument_group("sampling")
-    for flag, field, kind, text in SAMPLING_FLAGS:
-        default = getattr(defaults, field)
-        g.add_argument(flag, dest=field, type=kind, default=default, help=f"{text + '; ' if text else ''}default {default}")
-    g.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
-                   metavar="TEXT", help="DRY sequence breaker (repeatable; replaces the defaults)")
-    g.add_argument("--samplers", default=None, help="stage order, e.g. 'penalties;dry;top_k;top_p;min_p;temperature'")
-    g.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
-                   help="add BIAS to token ID, or to every token of TEXT with TEXT=BIAS (repeatable)")
+    for spec in PARAMETERS:
+        if spec.flag is None:
+            continue
+        if spec.kind in ("int", "float"):
+            text = f"{spec.help + '; ' if spec.help else ''}default {spec.default}"
+            g.add_argument(spec.flag, dest=spec.name, type=int if spec.kind == "int" else float,
+                           default=spec.default, help=text)
+        elif spec.kind in _METAVARS:
+            g.add_argument(spec.flag, dest=spec.name, action="append", default=None, metavar=_METAVARS[spec.kind],
+                           help=spec.help)
+        else:
+            g.add_argument(spec.flag, dest=spec.name, default=None, help=spec.help)
 
 
-def _logit_bias(items: list[str] | None) -> dict[int | str, float]:
-    bias: dict[int | str, float] = {}
+def _logit_bias(items: list[str] | None) -> list[tuple[str, float]]:
+    """--logit-bias ID=BIAS / TEXT=BIAS items as pairs; SamplingParams checks and adds them up."""
+    from .sampling import bias_item
+
+    pairs = []
     for item in items or []:
-        tok, sep, val = item.rpartition("=")
         try:
-            if not sep or not tok:
-                raise ValueError
-            key = int(tok) if tok.isdigit() else tok
-            bias[key] = bias.get(key, 0.0) + float(val)
+            pairs.append(bias_item(item))
         except ValueError:
             raise LocalrunError(f"--logit-bias takes ID=BIAS or TEXT=BIAS, e.g. 15043=-5, got {item!r}") from None
-    return bias
+    return pairs
 
 
 def _add_constraints(p: argparse.ArgumentParser) -> None:
@@ -116,12 +98,20 @@ def _add_model(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace):
-    from .sampling import SamplingParams
+    """SamplingParams from the sampling flags; a list flag not given keeps its default."""
+    from .sampling import PARAMETERS, SamplingParams
 
-    values = {field: getattr(args, field) for _, field, _, _ in SAMPLING_FLAGS}
-    if args.dry_sequence_breakers is not None:
-        values["dry_sequence_breakers"] = args.dry_sequence_breakers
-    return SamplingParams(samplers=args.samplers, logit_bias=_logit_bias(args.logit_bias), **values)
+    values = {}
+    for spec in PARAMETERS:
+        if spec.flag is None:
+            continue
+        value = getattr(args, spec.name)
+        if spec.kind == "bias":
+            value = _logit_bias(value)
+        elif spec.kind == "strings" and value is None:
+            continue
+        values[spec.name] = value
+    return SamplingParams(**values)
 
 
 def print_timings(timings, out=sys.stderr) -> None:

@@ -117,3 +117,15 @@ def test_chat_repl_keeps_the_conversation(smollm2_gguf):
 
 def test_convert_rejects_unknown_target(smollm2_gguf, tmp_path):
     assert "--to gguf" in one_line_error(localrun("convert", smollm2_gguf, "--to", "gguf", "-o", tmp_path / "x"))
+
+
+def test_top_n_sigma_flag_parses_and_bad_values_are_one_line(smollm2_gguf):
+    from localrun.cli import build_parser, sampling_from_args
+
+    args = build_parser().parse_args(["run", "model.gguf", "--top-n-sigma", "1.5", "--samplers", "top_n_sigma;temp"])
+    p = sampling_from_args(args)
+    assert p.top_n_sigma == 1.5 and p.order == ("logit_bias", "top_n_sigma", "temperature")
+    assert build_parser().parse_args(["chat", "--top-n-sigma", "-1"]).top_n_sigma == -1.0
+    # refused while the flags are read, before the model loads
+    assert "top_n_sigma" in one_line_error(localrun("run", smollm2_gguf, "hi", "--top-n-sigma", "2e6"))
+    assert "dry_sequence_breakers[0]" in one_line_error(localrun("run", smollm2_gguf, "hi", "--dry-sequence-breaker", "x" * 41))

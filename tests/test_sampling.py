@@ -1,5 +1,6 @@
 """The sampler chain on literal arrays: each stage names a token that must survive and
-one that must not; validation; order; mirostat; DRY; state; the draw's frequencies."""
+one that must not; order; mirostat; DRY and its breakers; state; the draw's
+frequencies. (Validation and bounds: test_sampling_params.py.)"""
 
 from __future__ import annotations
 
@@ -78,6 +79,47 @@ def test_xtc_coin_is_the_only_randomness_distribution_uses():
 
 def test_xtc_probability_zero_is_off():
     assert set(dist(logits_of([0.4, 0.3, 0.2, 0.1]), xtc_probability=0.0, xtc_threshold=0.15)) == {0, 1, 2, 3}
+
+
+def test_top_n_sigma_keeps_logits_within_n_deviations_of_the_max():
+    # mean 3.25, population sigma sqrt(15.6875) = 3.96
+    x = [0.0, 1.0, 2.0, 10.0]
+    assert set(dist(x, top_n_sigma=1.0)) == {3}  # cut at 10 - 3.96 = 6.04
+    kept = dist(x, top_n_sigma=2.5)  # cut at 10 - 9.90 = 0.10
+    assert set(kept) == {1, 2, 3} and 0 not in kept
+    assert kept[3] == pytest.approx(math.exp(10) / (math.exp(1) + math.exp(2) + math.exp(10)))
+    assert set(dist(x, top_n_sigma=3.0)) == {0, 1, 2, 3}
+
+
+def test_top_n_sigma_zero_or_negative_is_off():
+    assert set(dist([0.0, 1.0, 2.0, 10.0], top_n_sigma=0)) == {0, 1, 2, 3}
+    assert set(dist([0.0, 1.0, 2.0, 10.0], top_n_sigma=-1)) == {0, 1, 2, 3}
+    assert SamplingParams().top_n_sigma == -1.0
+
+
+def test_top_n_sigma_leaves_banned_tokens_out_of_its_statistics():
+    # with the -inf counted, sigma would be inf and every finite token would stay
+    kept = dist([0.0, 1.0, 2.0, 10.0, 0.0], top_n_sigma=2.5, logit_bias={4: False})
+    assert set(kept) == {1, 2, 3} and 0 not in kept and 4 not in kept
+
+
+def test_top_n_sigma_sees_only_what_earlier_stages_kept():
+    x = [0.0, 1.0, 2.0, 9.0, 10.0]
+    # over all five (sigma 4.22) a cut at 10 - 4.22 keeps 9 and 10; after top-k 2 the
+    # two left have sigma 0.5, so the same n keeps only the top one
+    assert set(dist(x, top_n_sigma=1.0)) == {3, 4}
+    after_top_k = dist(x, top_n_sigma=1.0, top_k=2, samplers=["top_k", "top_n_sigma"])
+    assert set(after_top_k) == {4} and 3 not in after_top_k
+
+
+def test_top_n_sigma_is_skipped_by_greedy_and_needs_the_full_grammar_mask():
+    x = np.array([0.0, 1.0, 2.0, 10.0], np.float32)
+    assert Sampler(SamplingParams(temperature=0, top_n_sigma=0.1)).sample(x, []) == 3
+    row = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
+    assert Sampler(SamplingParams(top_k=10)).grammar_head(row, []) is not None  # top-n-sigma off: ignored
+    assert Sampler(SamplingParams(top_k=10, top_n_sigma=2.0)).grammar_head(row, []) is None
+    # after top-k it only reads the k survivors: the head is enough again
+    assert Sampler(SamplingParams(top_k=10, top_n_sigma=2.0, samplers=["top_k", "top_n_sigma"])).grammar_head(row, [])
 
 
 def test_temperature_scales_logits():
@@ -278,51 +320,68 @@ def test_token_text_accepts_a_piece_function_and_caches():
     assert len(calls) == len(PIECES)  # enumerated once for both samplers
 
 
-# -- validation ----------------------------------------------------------------------
+def brute_force_breakers(pieces: list[bytes], breaker: str, tokenize) -> tuple[set[int], dict[int, set]]:
+    """llama.cpp's rule, spelt out token by token: holders of the whole breaker, and heads
+    (a piece ending with a proper prefix) with the tokenized rest."""
+    b = breaker.encode()
+    single = {t for t, w in enumerate(pieces) if b in w}
+    tails: dict[int, set] = {}
+    for j in range(1, len(b)):
+        for t, w in enumerate(pieces):
+            if t not in single and w.endswith(b[:j]):
+                tails.setdefault(t, set()).add(tuple(tokenize(b[j:].decode())))
+    return single, tails
 
 
-@pytest.mark.parametrize(
-    "kw,name",
-    [
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-2), "top_k"),
-        (dict(min_p=-0.1), "min_p"),
-        (dict(typical_p=0.0), "typical_p"),
-        (dict(temperature=-1.0), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(dynatemp_range=-0.1), "dynatemp_range"),
-        (dict(xtc_probability=1.5), "xtc_probability"),
-        (dict(xtc_threshold=-0.1), "xtc_threshold"),
-        (dict(mirostat=3), "mirostat"),
-        (dict(mirostat_tau=-1.0), "mirostat_tau"),
-        (dict(dry_multiplier=-1.0), "dry_multiplier"),
-        (dict(dry_base=-1.0), "dry_base"),
-        (dict(dry_allowed_length=-1), "dry_allowed_length"),
-        (dict(dry_penalty_last_n=-2), "dry_penalty_last_n"),
-        (dict(dry_sequence_breakers="\n"), "dry_sequence_breakers"),
-        (dict(repeat_penalty=0.0), "repeat_penalty"),
-        (dict(repeat_last_n=-5), "repeat_last_n"),
-        (dict(presence_penalty=float("inf")), "presence_penalty"),
-        (dict(logit_bias={1: float("nan")}), "logit_bias"),
-        (dict(logit_bias={-1: 1.0}), "logit_bias"),
-        (dict(logit_bias={1: float("inf")}), "logit_bias"),
-        (dict(samplers=["top_k", "beam_search"]), "samplers"),
-        (dict(min_keep=-1), "min_keep"),
-        (dict(n_probs=-1), "n_probs"),
-        (dict(seed=-7), "seed"),
-        (dict(top_k=1.5), "top_k"),
-        (dict(top_p="high"), "top_p"),
-    ],
-)
-def test_invalid_values_are_a_bad_request_naming_the_parameter(kw, name):
-    with pytest.raises(BadRequestError, match=name):
-        SamplingParams(**kw)
+def test_breaker_index_matches_the_rule_token_by_token():
+    words = ["ab", "ba", "aab", "he", "llo", "hel", "lo", "o w", " wor", "ld", "x\ny", "", "abab", *"abhelo wrd\nxy"]
+    pieces = [w.encode() for w in words]
+
+    def tokenize(text: str) -> list[int]:
+        out, i = [], 0
+        while i < len(text):  # longest piece first
+            j = max((k for k in range(len(words)) if words[k] and text.startswith(words[k], i)), key=lambda k: len(words[k]))
+            out.append(j)
+            i += len(words[j])
+        return out
+
+    text = TokenText(pieces, tokenize=tokenize)
+    for breaker in ("ab", "aba", "hello world", "\n", "b", "lo w"):
+        single, tails = brute_force_breakers(pieces, breaker, tokenize)
+        got = text.breakers([breaker])
+        assert set(np.flatnonzero(got.is_single(np.arange(len(pieces))))) == single, breaker
+        assert {t: set(ts) for t, ts in got.tails.items()} == tails, breaker
 
 
-def test_valid_edge_values_pass():
-    SamplingParams(top_k=-1, top_p=1.0, min_p=1.0, temperature=0, xtc_threshold=1.0, mirostat=2, seed=-1)
-    assert SamplingParams(top_k=40.0).top_k == 40
+def test_a_breaker_list_is_the_union_of_cached_single_breakers(monkeypatch):
+    import localrun.sampling.breakers as breakers
+
+    resolved = []
+    real = breakers._resolve
+    monkeypatch.setattr(breakers, "_resolve", lambda index, b, tok: resolved.append(b) or real(index, b, tok))
+    text = TokenText(PIECES, tokenize=toy_tokenize)
+    both = text.breakers(["\n", "hello"])
+    assert sorted(resolved) == ["\n", "hello"]
+    again = text.breakers(["hello", ":", "\n"])  # a new list: only ":" is new
+    assert sorted(resolved) == ["\n", ":", "hello"]
+    assert text.breakers(["\n", "hello"]) is both  # the same list: one look-up
+    assert again.is_single(np.array([NL, COLON, A])).tolist() == [True, True, False]
+    assert again.tails == both.tails == {HE: {(LLO,)}}
+
+
+def test_token_text_is_shared_safely_between_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(0)
+    pieces = [bytes(rng.integers(97, 102, rng.integers(1, 5)).tolist()) for _ in range(20_000)]
+    lists = [["ab", "c"], ["abc", "de"], ["c", "abc"], ["ea"]] * 4
+    want = [TokenText(pieces).breakers(b) for b in lists]  # each on its own TokenText
+    shared = TokenText(pieces)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(shared.breakers, lists))
+    ids = np.arange(len(pieces))
+    for w, g in zip(want, got):
+        assert g.is_single(ids).tolist() == w.is_single(ids).tolist() and g.tails == w.tails
 
 
 # -- order ---------------------------------------------------------------------------

@@ -166,6 +166,49 @@ def test_logit_bias():
     assert_same(want, ours(x, **OFF, logit_bias=bias, samplers=["logit_bias"]))
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("n", [0.5, 1.0, 2.0, 3.5, 0.0, -1.0])
+def test_top_n_sigma(seed, n):
+    x = row(seed)
+    want = llama_dist([lc.llama_sampler_init_top_n_sigma(n)], x)
+    got = ours(x, **{**OFF, "top_n_sigma": n, "samplers": ["top_n_sigma"]})
+    assert_same(want, got)
+    if n > 0:
+        assert len(got) < x.size  # the case cuts something
+
+
+def test_top_n_sigma_on_a_masked_row():
+    """-inf logits (a grammar mask, a ban) stay out of the mean and deviation on both sides."""
+    x = row(11, n=3000)
+    x[np.random.default_rng(12).choice(3000, 2000, replace=False)] = -np.inf
+    for n in (0.7, 1.5):
+        want = llama_dist([lc.llama_sampler_init_top_n_sigma(n)], x)
+        assert_same(want, ours(x, **{**OFF, "top_n_sigma": n, "samplers": ["top_n_sigma"]}))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_default_chain_with_top_n_sigma(seed):
+    """llama.cpp's default order places top-n-sigma after penalties (and DRY), before top-k."""
+    x = row(seed, n=5000, scale=2.5)
+    hist = np.random.default_rng(seed + 200).integers(0, 5000, 100).tolist() + np.argsort(-x)[:4].tolist()
+    want = llama_dist(
+        [
+            lc.llama_sampler_init_penalties(5000, 64, 1.3, 0.0, 0.0),
+            lc.llama_sampler_init_top_n_sigma(0.5),
+            lc.llama_sampler_init_top_k(40),
+            lc.llama_sampler_init_top_p(0.95, 0),
+            lc.llama_sampler_init_min_p(0.02, 0),
+            lc.llama_sampler_init_temp(0.7),
+        ],
+        x,
+        hist,
+    )
+    kw = dict(repeat_penalty=1.3, repeat_last_n=64, top_k=40, top_p=0.95, min_p=0.02, temperature=0.7)
+    got = ours(x, hist, top_n_sigma=0.5, **kw)
+    assert_same(want, got)
+    assert set(got) < set(ours(x, hist, **kw))  # top-n-sigma cut tokens the rest of the chain keeps
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_default_chain(seed):
     """llama-server's default order, every stage on: penalties, top-k, typical, top-p,

@@ -11,15 +11,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from localrun.errors import BadRequestError, LocalrunError
-from localrun.sampling import SamplingParams
+from localrun.sampling import PARAMETER, PARAMETERS, SamplingParams
 
-# the sampler fields the panel shows, in the CLI's order (localrun.cli.SAMPLING_FLAGS)
-# plus the ones the CLI spells differently; (field, label, kind)
-_EXTRA_FIELDS = [
-    ("dry_sequence_breakers", "dry-breakers (JSON)", "json"),
-    ("samplers", "samplers (a;b;…)", "order"),
-    ("logit_bias", "logit-bias (ID=BIAS,…)", "bias"),
-]
+# the panel's input for each kind of declared sampler parameter
+_FORM_KINDS = {"int": "int", "float": "float", "strings": "json", "order": "order", "bias": "bias"}
 # what an empty field means, shown in it
 PLACEHOLDERS = {"seed": "random", "samplers": "default order", "logit_bias": "none",
                 "max_tokens": "no limit", "grammar_path": "none: free text"}
@@ -27,11 +22,10 @@ GRAMMAR_KINDS = ("gbnf", "json-schema")
 
 
 def sampler_fields() -> list[tuple[str, str, str]]:
-    """(field, label, kind) for every shared sampler parameter, kind in int/float/json/order/bias."""
-    from localrun.cli import SAMPLING_FLAGS
-
-    out = [(name, flag.lstrip("-"), kind.__name__) for flag, name, kind, _ in SAMPLING_FLAGS]
-    return out + _EXTRA_FIELDS
+    """(field, label, kind) for every sampler parameter the command line has too, in
+    declaration order (localrun.sampling.PARAMETERS); kind in int/float/json/order/bias;
+    the label is the declared one, else the flag."""
+    return [(p.name, p.label or p.flag.lstrip("-"), _FORM_KINDS[p.kind]) for p in PARAMETERS if p.flag]
 
 
 class FieldError(BadRequestError):
@@ -130,7 +124,7 @@ def _parse_field(name: str, kind: str, text: str):
         return text or None
     if kind == "bias":
         return _parse_bias(name, text)
-    if name == "seed" and text.lower() in ("", "none", "random"):
+    if PARAMETER[name].optional and text.lower() in ("", "none", "random"):
         return None
     return _number(name, text, kind)
 
@@ -139,8 +133,10 @@ def _parse_field(name: str, kind: str, text: str):
 _BIAS_ITEM = re.compile(r'\s*(?:("(?:[^"\\]|\\.)*")|([^,="]+?))\s*=\s*([^,]+?)\s*(?:,|$)')
 
 
-def _parse_bias(name: str, text: str) -> dict[int | str, float]:
-    bias: dict[int | str, float] = {}
+def _parse_bias(name: str, text: str) -> list[tuple[str, float]]:
+    """The panel's comma-separated items as (key, bias) pairs; SamplingParams reads a key
+    of digits as a token id, checks the rest and adds repeated keys up."""
+    bias: list[tuple[str, float]] = []
     at = 0
     while text[at:].strip():
         m = _BIAS_ITEM.match(text, at)
@@ -148,7 +144,7 @@ def _parse_bias(name: str, text: str) -> dict[int | str, float]:
             if m is None:
                 raise ValueError
             key = json.loads(m[1]) if m[1] else m[2].strip()
-            bias[int(key) if isinstance(key, str) and key.isdigit() else key] = float(m[3])
+            bias.append((key, float(m[3])))
         except ValueError:  # json.JSONDecodeError is a ValueError too
             item = text[at:].split(",")[0].strip()
             raise FieldError(name, f'logit bias takes ID=BIAS or TEXT=BIAS ("TEXT" keeps spaces), e.g. 15043=-5,'
@@ -165,8 +161,9 @@ def parse_form(values: dict[str, str], lookup: bool, system: str, grammar_kind: 
     try:
         sampling = SamplingParams(**kwargs)
     except BadRequestError as exc:
-        # SamplingParams names the field first ("top_p must be in (0, 1], got 1.5")
-        first = str(exc).split(" ", 1)[0].rstrip(":")
+        # SamplingParams names the field first ("top_p must be in (0, 1], got 1.5",
+        # "dry_sequence_breakers[2] must be ...", "logit_bias: ...")
+        first = re.split(r"[\s:\[]", str(exc), maxsplit=1)[0]
         known = {f.name for f in fields(SamplingParams)}
         raise FieldError(first if first in known else "", str(exc)) from None
     max_text = values.get("max_tokens", "").strip()

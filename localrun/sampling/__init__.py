@@ -2,18 +2,21 @@
 
 Parameter names and meanings are llama-server's. Default order (`DEFAULT_SAMPLERS`):
 
-    penalties -> dry -> logit_bias -> top_k -> typ_p -> top_p -> min_p -> xtc -> temperature -> draw
+    penalties -> dry -> logit_bias -> top_n_sigma -> top_k -> typ_p -> top_p -> min_p -> xtc
+    -> temperature -> draw
 
-`samplers` overrides the order with llama-server's names ("penalties", "dry", "top_k",
-"typ_p", "top_p", "min_p", "xtc", "temperature"; aliases "typical_p", "typical",
-"nucleus", "temp"; "logit_bias" may be placed too, else it goes right after the leading
-penalties/dry). A stage left out of the list is off, as in llama-server.
+(llama.cpp's default chain, logit bias placed after penalties and DRY.) `samplers`
+overrides the order with llama-server's names ("penalties", "dry", "top_n_sigma",
+"top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"; aliases "typical_p",
+"typical", "nucleus", "temp"; "logit_bias" may be placed too, else it goes right after
+the leading penalties/dry). A stage left out of the list is off, as in llama-server.
 
 * Greedy (temperature <= 0, mirostat off) is an argmax after the argmax-changing stages
   (penalties, DRY, logit bias, applied to the whole row wherever `samplers` puts them):
   no softmax, and no copy when nothing is penalised. Typical and XTC could move the
   argmax (XTC at random); temperature 0 means "the deterministic argmax", so they are
-  ignored then, and so are the other truncations, which cannot move it.
+  ignored then, and so are the other truncations (top-n-sigma among them), which
+  cannot move it.
 * Mirostat (1 or 2) replaces the truncation tail: penalties, DRY and logit bias still
   apply, then plain temperature, then mirostat's own truncation. (llama.cpp's common
   chain also drops penalties and DRY under mirostat; we keep them, as older llama.cpp
@@ -32,51 +35,31 @@ Speculation: `distribution()` is the exact final distribution `sample()` draws f
 consumes no randomness except XTC's coin (when XTC is on). `commit()` updates mirostat's
 mu for a token chosen outside, `snapshot()`/`restore()` cover the RNG and mu.
 
-Layout: `params` (SamplingParams and its validation), `stages` (the candidate set and
-the truncation/temperature stages), `dry` (DRY, its sequence breakers, TokenText),
-`mirostat` (v1 and v2), `sampler` (the Sampler that runs the chain).
+Layout: `declare` (how a parameter is declared, and the caps), `params`
+(SamplingParams: each parameter declared once; `PARAMETERS`, what the CLI, the server
+and the chat app derive from), `bias` (the one logit-bias parser), `stages` (the
+candidate set and the truncation/temperature stages), `breakers` (DRY's sequence
+breakers, TokenText), `dry` (DRY's penalties), `mirostat` (v1 and v2), `sampler` (the
+Sampler that runs the chain). Imports point one way: params -> bias, breakers, declare;
+stages, dry and mirostat know no SamplingParams; sampler uses them all.
 """
 
 from __future__ import annotations
 
-from ..errors import BadRequestError
-from .dry import (
-    _DRY_MAX_BREAKER_BYTES,
-    _DRY_MAX_TAIL_TOKENS,
-    DRY_BREAKERS,
-    NO_BREAKERS,
-    DryBreakers,
-    TokenText,
-    _dry_rep_limit,
-    _lookup,
-    _resolve_breakers,
-    dry_penalties,
-)
-from .mirostat import _MIROSTAT_M, mirostat_v1, mirostat_v2
-from .params import (
-    _ALIASES,
-    _ARGMAX_CHANGING,
-    _FLOAT_FIELDS,
-    _INT_FIELDS,
-    _RANGES,
-    _STAGES,
-    DEFAULT_SAMPLERS,
-    SamplingParams,
-    _check_logit_bias,
-)
+from .bias import bias_item, parse_logit_bias
+from .breakers import DRY_BREAKERS, NO_BREAKERS, DryBreakers, TokenText
+from .declare import Param
+from .dry import dry_penalties
+from .mirostat import mirostat_v1, mirostat_v2
+from .params import DEFAULT_SAMPLERS, PARAMETER, PARAMETERS, SamplingParams
 from .sampler import Sampler
 from .stages import (
-    _Cands,
-    _log_softmax,
-    _logsumexp,
-    _mass_head,
-    _softmax,
-    _top_indices,
     apply_logit_bias,
     apply_penalties,
     min_p,
     temperature,
     top_k,
+    top_n_sigma,
     top_p,
     typical,
     xtc,
@@ -86,18 +69,24 @@ __all__ = [
     "DEFAULT_SAMPLERS",
     "DRY_BREAKERS",
     "NO_BREAKERS",
+    "PARAMETER",
+    "PARAMETERS",
     "DryBreakers",
+    "Param",
     "Sampler",
     "SamplingParams",
     "TokenText",
     "apply_logit_bias",
     "apply_penalties",
+    "bias_item",
     "dry_penalties",
     "min_p",
     "mirostat_v1",
     "mirostat_v2",
+    "parse_logit_bias",
     "temperature",
     "top_k",
+    "top_n_sigma",
     "top_p",
     "typical",
     "xtc",

@@ -23,11 +23,12 @@ def mirostat_v1(c: _Cands, mu: float, n_vocab: int) -> None:
     i = np.arange(m - 1, dtype=np.float64)
     t = np.log((i + 2) / (i + 1))
     b = top[:-1] - top[1:]  # ln(p_i / p_i+1)
-    with np.errstate(all="ignore"):
-        s_hat = float(np.sum(t * b) / np.sum(t * t))
+    with np.errstate(all="ignore"):  # numpy floats: a huge mu gives inf, where 2.0**mu would raise
+        s_hat = np.sum(t * b) / np.sum(t * t)
         eps = s_hat - 1
-        k = ((eps * 2.0**mu) / (1 - float(n_vocab) ** -eps)) ** (1 / s_hat)
-    k = max(int(k), 1) if math.isfinite(k) else 1  # llama.cpp: int(nan) ends at 1 too
+        k = float(((eps * np.exp2(np.float64(mu))) / (1 - np.float64(n_vocab) ** -eps)) ** (1 / s_hat))
+    # llama.cpp's int(k) of nan or inf ends at 1 too (x86's cvttss2si gives INT_MIN)
+    k = max(int(k), 1) if math.isfinite(k) else 1
     if k < c.size:
         c.top(k)
 

@@ -8,7 +8,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BadRequestError
-from .dry import NO_BREAKERS, DryBreakers, TokenText, dry_penalties
+from .breakers import NO_BREAKERS, DryBreakers, TokenText
+from .dry import dry_penalties
 from .mirostat import mirostat_v1, mirostat_v2
 from .params import _ARGMAX_CHANGING, SamplingParams
 from .stages import (
@@ -21,6 +22,7 @@ from .stages import (
     min_p,
     temperature,
     top_k,
+    top_n_sigma,
     top_p,
     typical,
     xtc,
@@ -72,11 +74,13 @@ class Sampler:
     def _stage(self, name: str, c: _Cands, history: Sequence[int]) -> None:
         p = self.params
         if name == "penalties":
-            apply_penalties(c, history, p)
+            apply_penalties(c, history, p.repeat_last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
         elif name == "dry":
             self._dry(c, history)
         elif name == "logit_bias":
             apply_logit_bias(c, p.logit_bias)
+        elif name == "top_n_sigma":
+            top_n_sigma(c, p.top_n_sigma)
         elif name == "top_k":
             top_k(c, p.top_k)
         elif name == "typ_p":
@@ -101,7 +105,9 @@ class Sampler:
             self._breakers = (
                 self.vocab.breakers(p.dry_sequence_breakers, self._n_row) if self.vocab is not None else NO_BREAKERS
             )
-        toks, pens = dry_penalties(np.asarray(window, dtype=np.int64), p, self._breakers)
+        toks, pens = dry_penalties(
+            np.asarray(window, dtype=np.int64), p.dry_multiplier, p.dry_base, p.dry_allowed_length, self._breakers
+        )
         if toks.size:
             c.add(toks, -pens)
 
@@ -131,7 +137,9 @@ class Sampler:
             return None
         else:
             cut = self._order.index("top_k")
-            if set(self._order[:cut]) != set(self._pre):
+            # top-n-sigma before top-k reads every allowed logit, so it needs the whole mask
+            before = {s for s in self._order[:cut] if s != "top_n_sigma" or p.top_n_sigma > 0}
+            if before != set(self._pre):
                 return None
             need = p.top_k
         adjusted = self.adjusted(row, history)

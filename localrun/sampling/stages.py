@@ -1,5 +1,6 @@
 """The candidate set and the truncation/temperature stages of the chain (penalties,
-logit bias, top-k, typical, top-p, min-p, XTC, temperature)."""
+logit bias, top-n-sigma, top-k, typical, top-p, min-p, XTC, temperature). Each stage
+takes the values it needs, not SamplingParams."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import math
 from typing import Sequence
 
 import numpy as np
-
-from .params import SamplingParams
 
 
 # -- candidates ----------------------------------------------------------------------
@@ -142,13 +141,15 @@ def _mass_head(logits: np.ndarray, p: float) -> np.ndarray:
 # -- stages: each takes the candidate set and changes it in place ---------------------
 
 
-def apply_penalties(c: _Cands, history: Sequence[int], p: SamplingParams) -> None:
-    """llama.cpp semantics over the last repeat_last_n tokens: repetition divides a
-    positive logit and multiplies a non-positive one; presence subtracts once per seen
-    token, frequency once per occurrence."""
-    if not p.penalizes:
+def apply_penalties(
+    c: _Cands, history: Sequence[int], last_n: int, repeat: float, frequency: float, presence: float
+) -> None:
+    """llama.cpp semantics over the last `last_n` tokens (-1: all, 0: off): repetition
+    divides a positive logit and multiplies a non-positive one; presence subtracts once
+    per seen token, frequency once per occurrence."""
+    if last_n == 0 or (repeat == 1.0 and frequency == 0.0 and presence == 0.0):
         return
-    window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n :]
+    window = history if last_n == -1 else history[-last_n:]
     if len(window) == 0:
         return
     toks, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
@@ -157,15 +158,31 @@ def apply_penalties(c: _Cands, history: Sequence[int], p: SamplingParams) -> Non
         return
     c.own()
     vals = c.logits[pos]
-    if p.repeat_penalty != 1.0:
-        vals = np.where(vals <= 0, vals * p.repeat_penalty, vals / p.repeat_penalty)
-    c.logits[pos] = vals - counts[sel] * p.frequency_penalty - p.presence_penalty
+    if repeat != 1.0:
+        vals = np.where(vals <= 0, vals * repeat, vals / repeat)
+    c.logits[pos] = vals - counts[sel] * frequency - presence
     c.sorted = False
 
 
 def apply_logit_bias(c: _Cands, bias: dict[int, float]) -> None:
     if bias:
         c.add(np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float64, len(bias)))
+
+
+def top_n_sigma(c: _Cands, n: float) -> None:
+    """Keep the tokens whose logit is at least max - n * sigma, sigma the standard
+    deviation of the finite logits (llama.cpp's top-n-sigma; n <= 0 = off). It never
+    drops the top token, so greedy skips it. Costs two passes over the candidates."""
+    if n <= 0 or c.size <= 1:
+        return
+    x = np.asarray(c.logits, dtype=np.float32)
+    finite = x[x != -np.inf]  # llama.cpp leaves -inf (masked, banned) out of the statistics
+    if not finite.size:
+        return
+    sigma = float(np.std(finite, dtype=np.float64))
+    keep = x >= float(finite.max()) - n * sigma
+    if not keep.all():
+        c.keep(keep, c.sorted)
 
 
 def top_k(c: _Cands, k: int) -> None:
@@ -242,7 +259,8 @@ def temperature(c: _Cands, t: float, dyn_range: float = 0.0, exponent: float = 1
         probs = _softmax(c.logits)
         nz = probs[probs > 0]
         entropy = -float(np.sum(nz * np.log(nz)))
-        t = lo + (hi - lo) * (entropy / math.log(c.size)) ** exponent
+        normalised = min(entropy / math.log(c.size), 1.0)  # rounding may pass 1: a power of it could overflow
+        t = lo + (hi - lo) * normalised**exponent
     if t <= 0:  # only the argmax survives
         c.keep(np.array([int(np.argmax(c.logits))]), True)
     elif t != 1.0:

@@ -9,18 +9,13 @@ import math
 
 from ..errors import BadRequestError
 from ..grammar import Grammar
-from ..sampling import SamplingParams
+from ..sampling import PARAMETER, PARAMETERS, SamplingParams
 
-# SamplingParams fields a request may set under their own (llama-server) names
-SAMPLING_FIELDS = (
-    "temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "typical_p",
-    "xtc_probability", "xtc_threshold", "min_keep", "repeat_penalty", "repeat_last_n",
-    "presence_penalty", "frequency_penalty", "mirostat", "mirostat_tau", "mirostat_eta",
-    "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
-    "samplers", "seed",
-)
+# SamplingParams fields a request may set under their own (llama-server) names: every
+# declared sampler parameter a body carries (localrun.sampling.PARAMETERS)
+SAMPLING_FIELDS = tuple(p.name for p in PARAMETERS if p.body)
 # llama-server stage names with no counterpart here: accepted and left out of the order
-_FOREIGN_STAGES = {"infill", "penalties_last", "top_n_sigma"}
+_FOREIGN_STAGES = {"infill", "penalties_last"}
 
 
 class Body:
@@ -114,28 +109,31 @@ def _show(v) -> str:
 
 
 def sampling_params(body: Body, renames: dict[str, str] | None = None, n_probs: int = 0) -> SamplingParams:
-    """SamplingParams from a body's fields. `renames` maps a dialect's names to ours
-    (Ollama's options use ours for most; OpenAI has none beyond seed)."""
+    """SamplingParams from a body's fields, each read as its declaration's kind says;
+    SamplingParams checks the values and their bounds. `renames` maps a dialect's names to
+    ours (none needs one today: Ollama's options use llama-server's names, and the
+    dialect reads OpenAI's top_logprobs into `n_probs` itself)."""
     values: dict = {}
     names = dict.fromkeys(SAMPLING_FIELDS, None)
     names.update(renames or {})
     for key, target in names.items():
         if not body.has(key):
             continue
-        field = target or key
-        if field == "samplers":
-            values[field] = _samplers(body, key)
-        elif field == "dry_sequence_breakers":
-            values[field] = body.strings(key) or []
-        elif field in ("top_k", "repeat_last_n", "mirostat", "dry_allowed_length", "dry_penalty_last_n", "min_keep", "seed"):
-            values[field] = body.int(key)
-        else:
-            values[field] = body.float(key)
-    if "seed" in values and values["seed"] is not None and values["seed"] < 0:
+        spec = PARAMETER[target or key]
+        if spec.kind == "int":
+            values[spec.name] = body.int(key)
+        elif spec.kind == "float":
+            values[spec.name] = body.float(key)
+        elif spec.kind == "strings":
+            values[spec.name] = body.strings(key) or []
+        elif spec.kind == "order":
+            values[spec.name] = _samplers(body, key)
+        else:  # logit bias: every form is parsed (and bounded) by localrun.sampling.bias
+            values[spec.name] = body.get(key)
+    if values.get("seed") is not None and values["seed"] < 0:
         values["seed"] = None  # llama-server's -1: a random seed
-    bias = logit_bias(body, "logit_bias")
     try:
-        return SamplingParams(logit_bias=bias, n_probs=n_probs, **values)
+        return SamplingParams(n_probs=n_probs, **values)
     except BadRequestError as exc:
         raise BadRequestError(f"{body.where}{exc}") from None
 
@@ -147,36 +145,6 @@ def _samplers(body: Body, key: str) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise BadRequestError(f"'{body.where}{key}' must be a list of stage names, got {_show(v)}")
     return [s for s in v if s not in _FOREIGN_STAGES]
-
-
-def logit_bias(body: Body, key: str) -> dict[int | str, float]:
-    """OpenAI's {"id": bias} or llama-server's [[id, bias], ...], where an entry may also
-    be text (its tokens get the bias); a bias of false bans the token."""
-    v = body.get(key)
-    if v is None:
-        return {}
-    pairs = v.items() if isinstance(v, dict) else v if isinstance(v, list) else None
-    if pairs is None:
-        raise BadRequestError(f"'{body.where}{key}' must be an object of token id -> bias, got {_show(v)}")
-    out: dict[int | str, float] = {}
-    for pair in pairs:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise BadRequestError(f"'{body.where}{key}' entries must be [token id, bias] pairs, got {_show(pair)}")
-        tok, bias = pair
-        if isinstance(tok, str) and tok and not tok.lstrip("-").isdigit():
-            tid = tok  # llama-server's text form: the engine biases the text's tokens
-        else:
-            try:
-                tid = int(tok)
-            except (TypeError, ValueError):
-                raise BadRequestError(f"'{body.where}{key}' keys must be token ids or text, got {_show(tok)}") from None
-        if bias is False:
-            out[tid] = -math.inf
-        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-            raise BadRequestError(f"'{body.where}{key}' values must be numbers, got {_show(bias)}")
-        else:
-            out[tid] = float(bias)
-    return out
 
 
 def grammar_from(body: Body) -> Grammar | None:
