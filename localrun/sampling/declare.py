@@ -2,8 +2,8 @@
 everything the rest of localrun derives from it (validation, the CLI flag, the server's
 field map, the chat panel's input), so adding a parameter is one declaration.
 
-    top_n_sigma: float = param(-1.0, "float", lambda v: v <= BIG, "a number <= 1e6 (<= 0 = off)",
-                               flag="--top-n-sigma", help="keep logits within n std devs of the max; <= 0 = off")
+    top_n_sigma: float = param(-1.0, "float", lambda v: v <= BIG, "at most 1e6 (0 or below, e.g. -1, = off)",
+                               flag="--top-n-sigma", help="keep logits within n standard deviations of the top one")
 
 Kinds: "int", "float" (finite), "strings" (DRY's breakers), "order" (`samplers`), "bias"
 (logit bias: ids and text). The caps here bound what one request can make the shared
@@ -48,7 +48,7 @@ class Param:
     flag: str | None  # the CLI flag (`localrun run/chat`); None: not on the command line
     help: str  # the flag's help; the chat panel's label comes from `label` or the flag
     body: bool  # read from a request body under `name`; False: passed another way (say how in `note`)
-    label: str | None
+    label: str | None  # the chat panel's label where the flag does not say it well
     openai: str | None  # the name in OpenAI's own API, where OpenAI defines the parameter
     note: str  # why a parameter has no flag or no body field
 
@@ -108,10 +108,10 @@ def _number(p: Param, v):
 def _breakers(p: Param, v) -> list[str]:
     """DRY's sequence breakers: refused past llama.cpp's 40 bytes rather than truncated,
     because a cut breaker matches text the client never named."""
+    if isinstance(v, (list, tuple)) and len(v) > MAX_BREAKERS:  # counted before anything is read
+        raise BadRequestError(f"{p.name} may hold at most {MAX_BREAKERS} strings, got {len(v)}")
     if not isinstance(v, (list, tuple)) or not all(isinstance(b, str) for b in v):
         raise BadRequestError(f"{p.name} must be a list of strings, got {show(v)}")
-    if len(v) > MAX_BREAKERS:
-        raise BadRequestError(f"{p.name} may hold at most {MAX_BREAKERS} strings, got {len(v)}")
     for i, b in enumerate(v):
         if len(b) > MAX_BREAKER_BYTES or len(b.encode("utf-8")) > MAX_BREAKER_BYTES:
             raise BadRequestError(f"{p.name}[{i}] must be at most {MAX_BREAKER_BYTES} bytes of UTF-8, got {show(b)}")
