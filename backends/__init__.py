@@ -36,6 +36,8 @@ def detect_format(path: str | Path) -> str:
         raise UnsupportedFormatError(
             f"{p} is not a GGUF file (no GGUF magic bytes); localrun runs .gguf files and MLX model folders"
         )
+    if not p.is_dir():  # a FIFO, socket or device: never opened, it could block the reader
+        raise UnsupportedFormatError(f"{p} is neither a file nor a folder; give a .gguf file or an MLX model folder")
     has_config = (p / "config.json").is_file()
     weights = list(p.glob("*.safetensors"))
     ggufs = sorted(p.glob("*.gguf"))

@@ -36,6 +36,7 @@ from localrun.errors import (
     UnsupportedFormatError,
 )
 
+from .atomic import replace_durably
 from .gguf_tokenizer import write_tokenizer
 
 SUPPORTED_ARCHS = ("llama",)
@@ -364,7 +365,7 @@ def convert_gguf_to_mlx(
         _refuse_nonempty(out_dir)
         if out_dir.exists():
             out_dir.rmdir()  # empty: replace it (rename onto a dir fails on Windows)
-        os.replace(tmp, out_dir)
+        replace_durably(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -30,6 +30,8 @@ import numpy as np
 
 from localrun.errors import BadRequestError, LocalrunError
 
+from .atomic import replace_durably
+
 
 @dataclass
 class Reference:
@@ -219,7 +221,7 @@ def plot(rows: Sequence[QualityRow], out: str | os.PathLike, title: str = "size 
         fig.tight_layout()
         tmp = out.with_name(f".{out.name}.partial.png")
         fig.savefig(tmp, format="png")
-        os.replace(tmp, out)
+        replace_durably(tmp, out)
     finally:
         plt.close(fig)
     return out

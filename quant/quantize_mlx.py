@@ -21,6 +21,8 @@ from typing import Callable
 
 from localrun.errors import BadRequestError, LocalrunError, ModelNotFoundError, UnsupportedFormatError
 
+from .atomic import replace_durably
+
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 MLX_GROUP_SIZES = (32, 64, 128)
 
@@ -90,7 +92,7 @@ def quantize_mlx(
             )
         if out.exists():
             out.rmdir()  # empty (checked above): replace it
-        os.replace(tmp, out)
+        replace_durably(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise LocalrunError(f"could not write {out}: {e.strerror or e}") from e

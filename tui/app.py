@@ -25,7 +25,7 @@ from textual.widgets import Footer, Markdown, ProgressBar
 from localrun.engine import Timings
 from localrun.errors import LocalrunError, ModelNotFoundError
 
-from .conversations import Conversation, ConversationStore, default_title
+from .conversations import Conversation, ConversationConflictError, ConversationStore, default_title
 from .commands import SlashCommands
 from .help import HelpScreen, parse_slash
 from .history import Conversations
@@ -89,6 +89,7 @@ class ChatApp(SlashCommands, App):
         self._models, self._rss = models, rss
         self.messages: list[dict] = []
         self.conv_id: int | None = None
+        self.conv_version: int | None = None  # the saved version this window last read or wrote
         self.conv_model = ""  # the model of the latest answer, saved with the conversation
         self.title_text: str | None = None  # set by /save or rename; else the first message
         self._generating = self.loading = False
@@ -314,7 +315,13 @@ class ChatApp(SlashCommands, App):
             return
         c = self.conversation()
         try:
-            self.conv_id = self.store.save(c.id, c.title, c.model, c.system, c.messages)
+            try:
+                self.conv_id = self.store.save(c.id, c.title, c.model, c.system, c.messages, version=self.conv_version)
+            except ConversationConflictError as exc:  # another window changed it since: keep both
+                self.title_text = f"{c.title} (copy)"
+                self.conv_id = self.store.save(None, self.title_text, c.model, c.system, c.messages)
+                self.notify(f"{exc}; this chat is saved as “{self.title_text}”", severity="warning")
+            self.conv_version = self.store.known_version(self.conv_id)
         except Exception as exc:  # a full disk must not lose the chat on screen
             self.notify(f"could not save the conversation: {exc}", severity="error")
 
@@ -322,6 +329,7 @@ class ChatApp(SlashCommands, App):
         if self._busy():
             return
         self.messages, self.conv_id, self.title_text, self.conv_model = [], None, None, ""
+        self.conv_version = None
         await self.view.remove_children()
         await self.view.mount(Markdown(WELCOME, id="welcome"))
         self.status.update_values(timings=None, ctx_used=0, state="")
@@ -337,6 +345,7 @@ class ChatApp(SlashCommands, App):
         conv = self.store.load(cid)
         await self.action_new_chat()
         self.conv_id, self.title_text, self.messages = conv.id, conv.title, list(conv.messages)
+        self.conv_version = conv.version
         self.conv_model = conv.model
         self.settings.system = conv.system
         for m in conv.messages:
