@@ -12,7 +12,7 @@ from localrun.sampling import SamplingParams
 EVERY_STAGE = dict(
     temperature=0.9, dynatemp_range=0.3, top_k=50, typical_p=0.95, top_p=0.95, min_p=0.02,
     xtc_probability=0.5, xtc_threshold=0.1, repeat_penalty=1.1, presence_penalty=0.2,
-    frequency_penalty=0.1, dry_multiplier=0.8, logit_bias={13: -2.0},
+    frequency_penalty=0.1, dry_multiplier=0.8, logit_bias={13: -2.0}, top_n_sigma=2.0,
 )
 
 
@@ -94,3 +94,23 @@ def test_text_keyed_logit_bias_bans_every_token_of_the_text(llama_engine):
     res = llama_engine.complete(prompt, sampling=SamplingParams(temperature=0, logit_bias={" Paris": False}),
                                 max_tokens=12, lookup=False)
     assert not banned & set(res.tokens) and res.text != free.text
+
+
+def test_a_tight_top_n_sigma_leaves_only_the_top_token_on_both_backends(engine):
+    """n = 1e-4 deviations keeps only the largest logit, so a hot sampler writes the
+    greedy answer token for token; an n that keeps a few tokens lets other answers through."""
+    prompt = chat(engine, "Name a colour.")
+    greedy = engine.complete(prompt, sampling=SamplingParams(temperature=0), max_tokens=6, ignore_eos=True, lookup=False)
+    hot = dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    tight = [
+        engine.complete(prompt, sampling=SamplingParams(top_n_sigma=1e-4, seed=s, **hot), max_tokens=6,
+                        ignore_eos=True, lookup=False).tokens
+        for s in range(2)
+    ]
+    assert tight == [greedy.tokens] * 2
+    loose = {
+        tuple(engine.complete(prompt, sampling=SamplingParams(top_n_sigma=3.0, seed=s, **hot), max_tokens=6,
+                              ignore_eos=True, lookup=False).tokens)
+        for s in range(3)
+    }
+    assert loose != {tuple(greedy.tokens)}
