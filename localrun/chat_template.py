@@ -4,18 +4,24 @@ The template comes from the GGUF key `tokenizer.chat_template` or from
 `tokenizer_config.json`. It runs in a sandboxed Jinja environment with the helpers the
 Hugging Face templates expect (`raise_exception`, `strftime_now`, a `tojson` that keeps
 non-ASCII text), trim_blocks/lstrip_blocks as transformers sets them.
+
+A template is code from a file anyone can publish, so it renders inside a budget
+(template_budget: steps, time, sizes, output, call depth), and every way it can fail,
+from a syntax error to a Python exception deep in a filter, becomes one BadRequestError
+line: the CLI prints it, the server answers 400.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 from datetime import datetime
 from functools import lru_cache
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import BadRequestError
+from .template_budget import BudgetedSandbox, BudgetExceeded, RenderBudget, render_bounded, spending
 
 # Used only when a model carries no template at all (some GGUF exports drop it): the
 # turn format whose marker tokens the vocabulary has, else ChatML, the most common one.
@@ -42,26 +48,40 @@ def fallback_template(is_single_token) -> str:
     return CHATML
 
 ROLES = ("system", "user", "assistant", "tool")
+# Ends every message about a broken template: the fix is another template.
+OVERRIDE_HINT = "pass --chat-template FILE to use another"
+MAX_REASON_CHARS = 300  # an exception's text can quote a whole message; one line stays short
+MAX_JSON_INDENT = 16  # tojson(indent=n): templates use 2 or 4
+
+
+class TemplateRefusal(jinja2.exceptions.TemplateError):
+    """The template's own `raise_exception(...)`: it refuses these messages on purpose."""
 
 
 def _raise(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+    # reprlib: a message that is not text (a list repeating a long string) stays short
+    raise TemplateRefusal(message if isinstance(message, str) else reprlib.repr(message))
 
 
 def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
+    width = len(indent) if isinstance(indent, str) else indent or 0
+    if width > MAX_JSON_INDENT:  # each line of the JSON repeats it
+        raise BudgetExceeded(f"asked tojson for an indent of {width:,} (at most {MAX_JSON_INDENT})")
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
+    env = BudgetedSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols"],
+        filters={"tojson": _tojson},
+        globals={"raise_exception": _raise, "strftime_now": lambda fmt: datetime.now().strftime(fmt)},
+    )
+    # Jinja folds constant expressions while compiling, through the same budgeted hooks.
+    with spending(RenderBudget.for_input()):
         return env.from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise BadRequestError(f"the model's chat template does not parse (line {exc.lineno}): {exc.message}") from exc
 
 
 def validate_messages(messages: list[dict]) -> None:
@@ -83,13 +103,32 @@ def render(
     **extra,
 ) -> str:
     validate_messages(messages)
+    variables = dict(
+        messages=messages,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        add_generation_prompt=add_generation_prompt,
+        **extra,
+    )
     try:
-        return _compile(template or CHATML).render(
-            messages=messages,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt,
-            **extra,
-        )
-    except jinja2.exceptions.TemplateError as exc:
-        raise BadRequestError(f"the model's chat template refused these messages: {exc}") from exc
+        compiled = _compile(template or CHATML)
+        return render_bounded(compiled, RenderBudget.for_input(messages, extra), variables)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise BadRequestError(
+            f"the model's chat template does not parse (line {exc.lineno}): {_one_line(exc.message)}; {OVERRIDE_HINT}"
+        ) from exc
+    except TemplateRefusal as exc:
+        raise BadRequestError(f"the model's chat template refused these messages: {_one_line(exc)}") from exc
+    except BudgetExceeded as exc:
+        raise BadRequestError(f"the model's chat template {exc}; {OVERRIDE_HINT}") from exc
+    except jinja2.exceptions.TemplateError as exc:  # undefined names, sandbox refusals, no loader
+        raise BadRequestError(f"the model's chat template failed: {_one_line(exc)}; {OVERRIDE_HINT}") from exc
+    except Exception as exc:  # noqa: BLE001 - Python errors raised by the template's own code
+        # (TypeError, ValueError, KeyError, OverflowError, RecursionError, MemoryError...)
+        reason = f"{type(exc).__name__}: {_one_line(exc)}"
+        raise BadRequestError(f"the model's chat template failed: {reason}; {OVERRIDE_HINT}") from exc
+
+
+def _one_line(reason) -> str:
+    text = " ".join(str(reason)[: 4 * MAX_REASON_CHARS].split())
+    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
