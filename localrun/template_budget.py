@@ -65,7 +65,7 @@ _SIZED = (str, bytes, list, tuple, dict, set, frozenset)
 
 class BudgetExceeded(Exception):
     """A template went past a limit; the message is a phrase that follows "the model's
-    chat template" (e.g. "ran more than 1,000,000 steps ...")."""
+    chat template" (e.g. "ran more than 500,000 steps ...")."""
 
 
 @dataclass
