@@ -19,12 +19,14 @@ llama.cpp's automatic choice.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from localrun import rpc
 from localrun.errors import BackendUnavailableError, ModelLoadError
 from localrun.quant.catalog import file_type_name
 
@@ -40,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 # --kv-cache-type names -> ggml element types (ggml.h: GGML_TYPE_F16 = 1, Q4_0 = 2, Q8_0 = 8)
 _GGML_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
+_log = logging.getLogger("localrun")
 _LOG_CALLBACK = None  # keep the ctypes callback alive for the process lifetime
 _BACKEND_READY = False
 
@@ -98,7 +101,10 @@ class LlamaCppBackend:
         threads: int | None = None,
         n_gpu_layers: int = -1,
         kv_cache_type: str = "f16",
+        workers: "rpc.Cluster | None" = None,
     ) -> None:
+        """workers: llama.cpp RPC workers to split the model over (None: the ones `--rpc`
+        registered for this process, if any; see localrun/rpc.py)."""
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
         _init_llama()
         self._model = None
@@ -108,6 +114,7 @@ class LlamaCppBackend:
         path = str(path)
         mparams = _lc.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers  # -1: all layers on the GPU where one exists
+        self.placement = self._place_on_devices(mparams, path, workers)
         model = _lc.llama_model_load_from_file(path.encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}; set LOCALRUN_LLAMA_LOG=1 to see why")
@@ -153,6 +160,36 @@ class LlamaCppBackend:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
         self.info = self._read_info(path, n_ctx_train)
+
+    # -- devices (llama.cpp RPC workers) ------------------------------------------
+
+    def _place_on_devices(self, mparams, path: str, workers) -> "rpc.Placement | None":
+        """With workers: an explicit NULL-terminated device list (local GPUs, then each
+        worker's devices), their proportions, and n_gpu_layers keeping this machine's share
+        of the first layers on its CPU. Without: llama.cpp's default devices, unless workers
+        were registered in this process (registration is process-wide), in which case the
+        list names this machine's GPUs only."""
+        cluster = workers if workers is not None else rpc.active()
+        if cluster is None:
+            if rpc.any_registered():
+                self._devices = rpc.device_array(rpc.local_gpus())
+                mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+            return None
+        from localrun.quant.selector import model_shape
+
+        placement = rpc.placement_for(cluster, model_shape(Path(path)).n_layer)
+        if len(placement.devices) > _lc.llama_max_devices():
+            raise ModelLoadError(f"{len(placement.devices)} devices, more than this llama.cpp's"
+                                 f" {_lc.llama_max_devices()}: use fewer --rpc workers")
+        self._devices = rpc.device_array(placement.devices)
+        # llama.cpp copies llama_max_devices() floats from tensor_split
+        self._split = (ctypes.c_float * _lc.llama_max_devices())(*placement.split)
+        mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        mparams.tensor_split = self._split
+        mparams.n_gpu_layers = placement.n_gpu_layers
+        mparams.split_mode = _lc.LLAMA_SPLIT_MODE_LAYER
+        _log.info("%s over RPC workers: %s", Path(path).name, placement.describe())
+        return placement
 
     # -- model facts -------------------------------------------------------------
 

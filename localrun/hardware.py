@@ -213,10 +213,20 @@ def backend_report() -> list[tuple[str, str]]:
         if "METAL" in info.upper():
             builds.append("Metal")
         offload = bool(llama_cpp.llama_supports_gpu_offload())
+        if offload and llama_cpp.llama_supports_rpc():  # llama.cpp counts RPC as offload: ask for a real GPU
+            from localrun.rpc import local_gpus
+
+            offload = bool(local_gpus())
         rows.append(("llama.cpp", f"llama-cpp-python {llama_cpp.__version__}: {'+'.join(builds)} build"
                                   f"{', GPU offload' if offload else ', no GPU offload'}"))
     except Exception as exc:  # not installed or failed to load its shared library
         rows.append(("llama.cpp", f"unusable: {exc}"))
+    try:
+        from localrun.rpc import availability
+
+        rows.append(("rpc", availability()[1]))
+    except Exception as exc:
+        rows.append(("rpc", f"unusable: {exc}"))
     try:
         import mlx.core as mx
 

@@ -68,6 +68,10 @@ class ModelShape:
     layer_share: tuple[float, ...]  # each block's share of the weight bytes
     backend: str  # "llama.cpp" | "mlx"
     repack_share: float = 0.0  # share of the weight bytes the CPU backend copies into repacked form
+    # The output head's share of the weight bytes; with tied embeddings (no output.weight)
+    # the token embedding's, which llama.cpp loads a second time on the output layer's device.
+    output_share: float = 0.0
+    output_tied: bool = False
 
 
 def _per_layer(value, n: int) -> tuple[int, ...]:
@@ -106,9 +110,13 @@ def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
     else:
         swa = (False,) * n_layer
     per_layer = [0] * n_layer
-    total = repacked = 0
+    total = repacked = output = embedding = 0
     for t in tensors:
         total += t.nbytes
+        if t.name.startswith("output.") or t.name.startswith("output_norm."):
+            output += t.nbytes
+        elif t.name == "token_embd.weight":
+            embedding = t.nbytes
         if t.ggml_type in REPACKED_TYPES and t.name.startswith("blk."):
             repacked += t.nbytes
         if t.name.startswith("blk."):
@@ -116,9 +124,11 @@ def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
             if idx.isdigit() and int(idx) < n_layer:
                 per_layer[int(idx)] += t.nbytes
     share = tuple(b / total for b in per_layer) if total else (1.0 / n_layer,) * n_layer
+    tied = not any(t.name == "output.weight" for t in tensors)
+    head = (embedding if tied else output) / total if total else 0.0
     return ModelShape(arch, n_layer, int(key("context_length", 4096) or 4096), n_embd, n_ff, n_vocab,
                       kv_heads, head_k, head_v, swa, int(window) if window else None, share, "llama.cpp",
-                      repacked / total if total else 0.0)
+                      repacked / total if total else 0.0, head, tied)
 
 
 def shape_from_mlx_config(config: dict) -> ModelShape:
@@ -175,18 +185,23 @@ def weights_bytes(path: Path) -> int:
 # -- the arithmetic -------------------------------------------------------------------
 
 
-def kv_cache_bytes(shape: ModelShape, n_ctx: int, kv_type: str = "f16", n_seq: int = 1) -> int:
+def kv_layer_bytes(shape: ModelShape, n_ctx: int, kv_type: str = "f16", n_seq: int = 1) -> list[float]:
+    """The KV cache of each layer (it lives on the device holding that layer)."""
     per_elem = kv_bytes_per_element(kv_type)
     windowed = shape.backend == "mlx" or not LLAMA_SWA_FULL
-    total = 0.0
+    out = []
     for heads, is_swa in zip(shape.kv_heads, shape.swa):
         cells = n_ctx * n_seq
         if is_swa and windowed and shape.sliding_window:
             # llama.cpp pads the window by one micro-batch to 256 cells; mlx-lm's rotating cache holds the window
             pad = N_UBATCH if shape.backend == "llama.cpp" else 0
             cells = min(cells, -(-(shape.sliding_window * n_seq + pad) // 256) * 256)
-        total += cells * heads * (shape.head_dim_k + shape.head_dim_v) * per_elem
-    return int(total)
+        out.append(cells * heads * (shape.head_dim_k + shape.head_dim_v) * per_elem)
+    return out
+
+
+def kv_cache_bytes(shape: ModelShape, n_ctx: int, kv_type: str = "f16", n_seq: int = 1) -> int:
+    return int(sum(kv_layer_bytes(shape, n_ctx, kv_type, n_seq)))
 
 
 def compute_bytes(shape: ModelShape, n_ctx: int, on_gpu: bool) -> int:
@@ -232,6 +247,12 @@ class Budget:
         if gb <= 0:
             raise BadRequestError(f"--memory must be a positive number of GB, got {gb}")
         return cls(int(gb * GIB), 0, False, "--memory", cpu_repacks(probe()))
+
+    def plus_workers(self, free: list[int]) -> "Budget":
+        """This budget with the free memory of --rpc workers added to the RAM side: the
+        combined memory a quant is chosen for (split_estimate then checks each device)."""
+        return Budget(self.ram + sum(free), self.vram, self.unified, f"{self.source} + {len(free)} RPC workers",
+                      self.repack)
 
 
 @dataclass(frozen=True)
@@ -372,6 +393,64 @@ def choose(shape: ModelShape, quants: list[tuple[str, int]], n_ctx: int | None, 
     return Choice(None, estimates, "nothing fits, not even 256 tokens of the smallest quant")
 
 
+# -- one model over several machines (--rpc) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceShare:
+    """What one machine holds of a model split over llama.cpp RPC workers."""
+
+    name: str  # "this machine" or a worker's host:port
+    layers: int  # repeating layers (the output head is counted in `weights` where it lives)
+    weights: int
+    kv: int
+    buffers: int  # compute buffers, plus the runtime's overhead on this machine
+    free: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.free
+
+    def explain(self) -> str:
+        text = (f"{self.name}: {self.layers} layers, {format_bytes(self.weights)} weights + {format_bytes(self.kv)} KV"
+                f" + {format_bytes(self.buffers)} buffers = {format_bytes(self.total)} of {format_bytes(self.free)} free")
+        return text if self.fits else text + " (does not fit)"
+
+
+def split_estimate(shape: ModelShape, est: Estimate, local_free: int, workers: list[tuple[str, int]],
+                   tensor_split: tuple[float, ...] | None = None) -> list[DeviceShare]:
+    """Each machine's part of `est` when its layers are split as the llama.cpp backend
+    splits them (localrun.rpc.plan: by free memory, or --tensor-split; this machine keeps
+    the first layers and the token embeddings, the last device the output head)."""
+    from localrun import rpc
+
+    fake = tuple(rpc.Worker(rpc.Endpoint(name.rpartition(":")[0], int(name.rpartition(":")[2] or 0)), rpc.Hello(None),
+                            (rpc.Device(0, name, name, free, free),)) for name, free in workers)
+    placement = rpc.plan(shape.n_layer, fake, [], local_free, tensor_split)
+    owners = placement.owners()  # n_layer entries, then the output layer's
+    kv_layers = kv_layer_bytes(shape, est.n_ctx, est.kv_type)
+    holders = ["this machine"] + [name for name, _ in workers]
+    weights, kv, layers = [0.0] * len(holders), [0.0] * len(holders), [0] * len(holders)
+    for il in range(shape.n_layer):
+        h = owners[il] + 1
+        weights[h] += est.weights * shape.layer_share[il]
+        kv[h] += kv_layers[il]
+        layers[h] += 1
+    rest = 1.0 - sum(shape.layer_share) - (0.0 if shape.output_tied else shape.output_share)
+    weights[0] += est.weights * max(0.0, rest)  # token embeddings (the input layer stays here) and norms
+    out_holder = owners[-1] + 1
+    if not shape.output_tied or out_holder != 0:  # a tied head is a second copy away from this machine
+        weights[out_holder] += est.weights * shape.output_share
+    per_device = compute_bytes(shape, est.n_ctx, on_gpu=False)
+    frees = [local_free] + [free for _, free in workers]
+    return [DeviceShare(holders[i], layers[i], int(weights[i]), int(kv[i]),
+                        per_device + (est.overhead if i == 0 else 0), frees[i]) for i in range(len(holders))]
+
+
 def fit_verdict(path: Path, n_ctx: int | None = None, kv_type: str = "f16", budget: Budget | None = None) -> str:
     """"Full GPU" | "Partial" | "CPU" | "Won't fit" for an installed model on this machine.
 
@@ -398,6 +477,6 @@ def memory_from_env() -> Budget | None:
         raise BadRequestError(f"LOCALRUN_MEMORY_GB must be a number of GB, got {value!r}") from None
 
 
-__all__ = ["Budget", "Choice", "Estimate", "ModelShape", "VERDICTS", "choose", "estimate", "fit_verdict",
-           "kv_cache_bytes", "largest_context", "model_shape", "shape_from_gguf",
-           "shape_from_mlx_config", "weights_bytes"]
+__all__ = ["Budget", "Choice", "DeviceShare", "Estimate", "ModelShape", "VERDICTS", "choose", "estimate",
+           "fit_verdict", "kv_cache_bytes", "kv_layer_bytes", "largest_context", "model_shape", "shape_from_gguf",
+           "shape_from_mlx_config", "split_estimate", "weights_bytes"]

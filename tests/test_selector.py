@@ -192,3 +192,56 @@ def test_fit_verdict_of_real_files(smollm2_gguf, smollm2_mlx, tmp_path, monkeypa
     broken.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 32)
     assert fit_verdict(broken) == "Won't fit"  # listings never crash on a bad file
     assert weights_bytes(smollm2_gguf) == smollm2_gguf.stat().st_size
+
+
+# -- one model over several machines (--rpc) ------------------------------------------
+
+
+def test_split_puts_layers_and_their_kv_where_the_free_memory_is():
+    from localrun.quant.selector import split_estimate
+
+    shape = llama_like()  # 32 layers, 90% of the bytes in the blocks
+    est = estimate(shape, int(4.5 * GIB), 4096, Budget(64 * GIB))
+    workers = [("10.0.0.2:50052", 8 * GIB), ("10.0.0.3:50052", 16 * GIB)]
+    rows = split_estimate(shape, est, 8 * GIB, workers)
+    # 8:8:16 of 33 slots (32 layers + the output head): this machine keeps the first 8 layers,
+    # 25 go out, a third to the first worker (9) and the rest (15 + the head) to the second
+    assert [(r.name, r.layers) for r in rows] == [("this machine", 8), ("10.0.0.2:50052", 9),
+                                                  ("10.0.0.3:50052", 15)]
+    assert sum(r.weights for r in rows) == pytest.approx(est.weights, rel=1e-6)
+    assert sum(r.kv for r in rows) == pytest.approx(est.kv, rel=1e-6)
+    assert rows[1].kv == pytest.approx(est.kv * 9 / 32, rel=1e-6)  # a layer's KV lives with the layer
+    assert rows[0].buffers > rows[1].buffers  # the runtime's overhead counts on this machine only
+    assert all(r.fits for r in rows)
+    assert re.fullmatch(r"10\.0\.0\.3:50052: 15 layers, .* weights \+ .* KV \+ .* buffers = .* of 16\.0 GB free",
+                        rows[2].explain())
+
+
+def test_tensor_split_overrides_free_memory_and_a_full_device_says_so():
+    from localrun.quant.selector import split_estimate
+
+    shape = llama_like()
+    est = estimate(shape, int(4.5 * GIB), 4096, Budget(64 * GIB))
+    rows = split_estimate(shape, est, 64 * GIB, [("a:1", 64 * GIB), ("b:2", 1 * GIB)], (1.0, 0.0, 1.0))
+    # half of 33 slots (32 layers + the head) rounds to 16 offloaded: 15 layers and the head
+    assert [r.layers for r in rows] == [17, 0, 15]  # the first worker was given no share
+    assert rows[1].weights == 0 and rows[1].kv == 0
+    assert not rows[2].fits and rows[2].explain().endswith("(does not fit)")  # 2+ GB on a 1 GB worker
+
+
+def test_budget_plus_workers_adds_their_memory_to_the_ram_side():
+    b = Budget(8 * GIB, 0, False, "probed").plus_workers([4 * GIB, 2 * GIB])
+    assert b.ram == 14 * GIB and b.vram == 0 and "2 RPC workers" in b.source
+
+
+def test_gguf_shape_knows_its_output_head(smollm2_gguf):
+    """SmolLM2 ties its output head to the token embeddings: llama.cpp loads that tensor a
+    second time on the device of the output layer."""
+    from localrun.gguf_check import check_gguf
+
+    shape = model_shape(smollm2_gguf)
+    summary = check_gguf(smollm2_gguf)
+    sizes = {t.name: t.nbytes for t in summary.tensors}
+    assert "output.weight" not in sizes and shape.output_tied
+    assert shape.output_share == pytest.approx(sizes["token_embd.weight"] / sum(sizes.values()))
+    assert 0.99 < sum(shape.layer_share) + shape.output_share <= 1.0  # the rest: the final norm

@@ -1,0 +1,248 @@
+"""`localrun rpc-worker`, and the `--rpc` / `--tensor-split` flags of the commands that load
+a GGUF model (run, chat, serve, fit).
+
+Registered by localrun.cli through `add_commands`; only argparse-free modules load with
+this one, so `localrun --help` stays instant. The C glue lives in localrun/rpc.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from localrun.errors import BadRequestError, LocalrunError
+
+START_TIMEOUT = 10.0  # seconds for llama.cpp's server to answer its first HELLO after starting
+
+
+def add_rpc_flags(p) -> None:
+    g = p.add_argument_group("several machines (llama.cpp RPC workers)")
+    g.add_argument("--rpc", metavar="HOST:PORT[,HOST:PORT...]", default=None,
+                   help="split the model's layers and KV cache over this machine and these `localrun rpc-worker`s")
+    g.add_argument("--tensor-split", metavar="N0,N1,...", default=None,
+                   help="proportions of the layers for this machine, then each --rpc worker, e.g. 1,2,2"
+                   " (default: by free memory)")
+
+
+def _model_names(args) -> list[str]:
+    value = getattr(args, "model", None)
+    if not value:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _refuse_mlx(args) -> None:
+    """--rpc splits GGUF models only: an MLX model named on the command line is an error now,
+    not a load that silently ignores the workers."""
+    from localrun.backends import detect_format
+    from localrun.store import resolve_model
+
+    for name in _model_names(args):
+        try:
+            fmt = detect_format(resolve_model(name))
+        except LocalrunError:
+            continue  # a wrong name gets its own error where the model is opened
+        if fmt == "mlx":
+            raise BadRequestError(f"--rpc splits GGUF models over llama.cpp workers; {name} is an MLX model"
+                                  " (MLX runs on one machine here)")
+
+
+def apply_rpc_flags(args, announce: bool | None = None):
+    """Probe and register the --rpc workers for this process; every GGUF load in it then
+    uses them. Returns the rpc.Cluster, or None without --rpc."""
+    text, split = getattr(args, "rpc", None), getattr(args, "tensor_split", None)
+    if not text:
+        if split:
+            raise BadRequestError("--tensor-split needs --rpc workers to split the model across")
+        return None
+    from localrun import rpc
+
+    endpoints = rpc.parse_endpoints(text)
+    tensor_split = rpc.parse_tensor_split(split, len(endpoints))
+    _refuse_mlx(args)
+    cluster = rpc.connect(endpoints, tensor_split)
+    if announce if announce is not None else getattr(args, "verbose", False):
+        for w in cluster.workers:
+            devs = ", ".join(f"{d.name} {_gb(d.free)} free" for d in w.devices)
+            print(f"rpc worker {w.endpoint} ({w.hello}): {devs}", file=sys.stderr)
+    return cluster
+
+
+def _gb(n: float) -> str:
+    from localrun.hardware import format_bytes
+
+    return format_bytes(n)
+
+
+# -- fit --rpc -----------------------------------------------------------------------
+
+
+def fit_workers(args) -> list[tuple[str, int]]:
+    """(endpoint, free bytes) of each --rpc worker, asked from its registered devices;
+    [] without --rpc."""
+    cluster = apply_rpc_flags(args, announce=False)
+    if cluster is None:
+        return []
+    return [(str(w.endpoint), w.free) for w in cluster.workers]
+
+
+def print_fit_split(args, shape, est, workers: list[tuple[str, int]], local_free: int, out=None) -> bool:
+    """The per-device lines of `fit --rpc` for the picked estimate; False when a device
+    cannot hold its part."""
+    from localrun.quant.selector import split_estimate
+
+    out = out or sys.stdout
+    from localrun import rpc
+
+    tensor_split = rpc.parse_tensor_split(getattr(args, "tensor_split", None), len(workers))
+    rows = split_estimate(shape, est, local_free, workers, tensor_split)
+    how = "by --tensor-split" if tensor_split else "by free memory"
+    print(f"split over this machine and {len(workers)} RPC worker(s), {how}:", file=out)
+    for row in rows:
+        print(f"  {row.explain()}", file=out)
+    return all(r.fits for r in rows)
+
+
+# -- rpc-worker ----------------------------------------------------------------------
+
+
+def _check_bind(host: str, port: int) -> None:
+    """The address must be an IPv4 literal of this machine and the port free: llama.cpp's
+    server would only say "Failed to create server socket"."""
+    import errno
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        raise BadRequestError(f"--host must be an IPv4 address of this machine (llama.cpp's RPC server binds IPv4"
+                              f" only), got {host!r}") from None
+    if not 0 < port < 65536:
+        raise BadRequestError(f"--port must be 1-65535, got {port}")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as llama.cpp's server does
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            hint = {errno.EADDRINUSE: "something else (another worker?) listens there: pick another --port",
+                    errno.EADDRNOTAVAIL: "that is not an address of this machine"}.get(exc.errno, "")
+            raise LocalrunError(f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                                + (f" ({hint})" if hint else "")) from None
+
+
+def _memory_offer(mem_mib: int | None):
+    """What the worker's CPU device tells clients: free = RAM available now, or what is left
+    of --mem after the buffers this worker already holds."""
+    import psutil
+
+    me = psutil.Process()
+    baseline = me.memory_info().rss
+    total_ram = psutil.virtual_memory().total
+
+    def offer() -> tuple[int, int]:
+        available = psutil.virtual_memory().available
+        if mem_mib is None:
+            return available, total_ram
+        cap = mem_mib << 20
+        held = max(0, me.memory_info().rss - baseline)
+        return max(0, min(cap - held, available)), cap
+
+    return offer
+
+
+def _wait_until_serving(host: str, port: int, thread) -> str:
+    """llama.cpp's server prints nothing once it listens: say HELLO to it (a client that
+    hangs up at once) until it answers or its thread has ended."""
+    import time
+
+    from localrun import rpc
+
+    target = rpc.Endpoint("127.0.0.1" if host == "0.0.0.0" else host, port)
+    deadline = time.monotonic() + START_TIMEOUT
+    while thread.is_alive() and time.monotonic() < deadline:
+        try:
+            return str(rpc.probe(target, timeout=1.0))
+        except rpc.RpcError:
+            time.sleep(0.1)
+    raise LocalrunError(f"llama.cpp's RPC server did not start on {host}:{port}")
+
+
+def cmd_rpc_worker(args) -> int:
+    import signal
+    import threading
+
+    from localrun import rpc
+    from localrun.backends.llamacpp import default_threads
+
+    _check_bind(args.host, args.port)
+    if not rpc.is_loopback(args.host):
+        if not args.allow_network:
+            raise BadRequestError(f"--host {args.host} lets other machines drive this one over llama.cpp's RPC,"
+                                  " which has no authentication: add --allow-network if this is a LAN or VPN you"
+                                  " trust (the default 127.0.0.1 serves this machine only)")
+        print(rpc.NETWORK_WARNING, file=sys.stderr)
+    threads = args.threads or default_threads()
+    if threads < 1:
+        raise BadRequestError(f"--threads must be at least 1, got {threads}")
+    if args.mem is not None and args.mem < 1:
+        raise BadRequestError(f"--mem must be a positive number of MiB, got {args.mem}")
+    usable, why = rpc.availability()
+    if not usable:
+        raise LocalrunError(f"rpc-worker cannot run: {why}")
+    g = rpc.ggml()
+    devices = rpc.served_devices()
+    if g.dev_type(devices[0]) == rpc.DEV_CPU:
+        rpc.report_memory(devices[0], _memory_offer(args.mem))
+    elif args.mem is not None:
+        raise BadRequestError("--mem caps what a CPU worker offers; this machine serves its GPUs, which report"
+                              " their own free memory")
+    cache_dir = None
+    if args.cache:
+        from localrun.store import data_dir
+
+        cache_dir = str(data_dir() / "rpc-cache")
+        os.makedirs(cache_dir, exist_ok=True)
+
+    endpoint = f"{args.host}:{args.port}"
+    server = threading.Thread(target=rpc.start_server, args=(endpoint, devices, threads, cache_dir),
+                              name="rpc-server", daemon=True)
+
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    server.start()
+    try:
+        version = _wait_until_serving(args.host, args.port, server)
+        names = ", ".join(f"{(g.dev_name(d) or b'?').decode()} ({_gb(g.memory(d)[0])} offered)" for d in devices)
+        print(f"localrun rpc-worker serving {names} on {endpoint} (RPC {version}, {threads} threads);"
+              f" clients use --rpc {endpoint}. Ctrl+C stops it.", file=sys.stderr, flush=True)
+        while server.is_alive():
+            server.join(0.5)
+    except KeyboardInterrupt:
+        print("rpc-worker stopped", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)  # llama.cpp's server thread blocks in accept() for good: end the process here
+    raise LocalrunError(f"llama.cpp's RPC server on {endpoint} stopped")
+
+
+def add_commands(sub) -> None:
+    from localrun.rpc import DEFAULT_PORT
+
+    p = sub.add_parser("rpc-worker", help="lend this machine's CPU or GPUs to another machine's --rpc (llama.cpp RPC)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="IPv4 address to listen on (default 127.0.0.1: this machine only; others need --allow-network)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the layers served here (default: physical cores)")
+    p.add_argument("--mem", type=int, default=None, metavar="MiB",
+                   help="memory this worker offers to clients (default: the RAM available now); CPU workers only")
+    p.add_argument("--cache", action="store_true",
+                   help="keep large tensors received in a local cache, so reloading a model sends less")
+    p.add_argument("--allow-network", action="store_true",
+                   help="allow a --host other than loopback: llama.cpp's RPC has no authentication or encryption;"
+                   " use it only on a LAN or VPN you trust")
+    p.set_defaults(func=cmd_rpc_worker)
+
+
+__all__ = ["add_commands", "add_rpc_flags", "apply_rpc_flags", "fit_workers", "print_fit_split"]
