@@ -128,12 +128,16 @@ def print_timings(timings, out=sys.stderr) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .engine import Engine
+    from .request import GenerationRequest
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise LocalrunError("no prompt: pass one as an argument or on stdin")
-    sampling = sampling_from_args(args)
-    grammar = grammar_from_args(args)  # a bad grammar fails before the model loads
+    # every flag is checked (and a grammar compiled) before the model loads
+    request = GenerationRequest(
+        sampling=sampling_from_args(args), max_tokens=args.max_tokens, stop=args.stop,
+        lookup=args.lookup, grammar=grammar_from_args(args),
+    )
     with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type) as engine:
         if args.raw:
             tokens = engine.tokenize(prompt)
@@ -143,10 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             ]
             tokens = engine.chat_prompt(messages)
         last = None
-        stream = engine.generate(
-            tokens, sampling=sampling, max_tokens=args.max_tokens, stop=args.stop, lookup=args.lookup, grammar=grammar
-        )
-        for ev in stream:
+        for ev in engine.generate(tokens, request):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             last = ev

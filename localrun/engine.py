@@ -12,7 +12,6 @@ row asked for), which is how speculation plugs in without a second engine.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,10 @@ from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted, Model
 
 from . import chat_template, slots
 from .errors import BadRequestError, ContextExceededError, LocalrunError
-from .grammar import Grammar, GrammarMatcher, build_tokenizer
-from .sampling import Sampler, SamplingParams, TokenText
-from .speculative import DraftController, LookupConfig, propose
+from .grammar import GrammarMatcher, build_tokenizer
+from .request import GenerationRequest, prepare, request_or_options
+from .sampling import Sampler, TokenText
+from .speculative import DraftController, propose
 from .textstream import StopMatcher, Utf8Stream
 
 
@@ -174,17 +174,17 @@ class Engine:
     # -- generation --------------------------------------------------------------
 
     def start(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | None = None,
-        max_tokens: int | None = None,
-        stop: list[str] | None = None,
-        ignore_eos: bool = False,
-        lookup: bool | LookupConfig = True,
-        grammar: Grammar | None = None,
+        self, prompt: str | Sequence[int], request: GenerationRequest | None = None, **options
     ) -> Generation:
+        """Begin one generation: a free slot (the one whose KV shares the longest prefix
+        with the prompt), its KV cut to that prefix, a sampler and a grammar matcher.
+        `request` says what to generate; Python callers may give its fields as keywords
+        instead (`sampling=..., max_tokens=...`). A request from `prepare` costs only
+        cache hits here; an unprepared one is prepared now (a server prepares off its
+        scheduler thread, which every stream of the model shares)."""
+        request = prepare(self, request_or_options(request, options))
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self.check_prompt(tokens, max_tokens)
+        self.check_prompt(tokens, request.max_tokens)
         if not self._free:
             raise RuntimeError("every sequence slot is busy")
         room = self.n_ctx - len(tokens)
@@ -198,18 +198,17 @@ class Engine:
         gen = Generation(
             seq=seq,
             prompt=tokens,
-            sampler=Sampler(self._resolve_text_bias(sampling or SamplingParams()), self.token_text),
-            max_tokens=room if max_tokens is None else min(max_tokens, room),
-            stops=StopMatcher(stop),
-            stop_ids=frozenset() if ignore_eos else self.info.stop_ids,
+            sampler=Sampler(request.sampling, self.token_text),
+            max_tokens=room if request.max_tokens is None else min(request.max_tokens, room),
+            stops=StopMatcher(list(request.stop)),
+            stop_ids=frozenset() if request.ignore_eos else self.info.stop_ids,
             history=list(tokens),
             n_cached=n_keep,
         )
-        cfg = lookup if isinstance(lookup, LookupConfig) else LookupConfig(enabled=bool(lookup))
-        if cfg.enabled:
-            gen.lookup = DraftController(cfg)
-        if grammar is not None:
-            gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
+        if request.lookup.enabled:
+            gen.lookup = DraftController(request.lookup)
+        if request.grammar is not None:
+            gen.matcher = GrammarMatcher(request.grammar, build_tokenizer(self.backend))
         gen.timings.prompt_tokens = len(tokens)
         gen.timings.cached_tokens = n_keep
         gen._t_start = time.perf_counter()
@@ -321,17 +320,6 @@ class Engine:
                 g.lookup.observe_step(len(draft), (now - t0) * 1000)
             events[g.seq] = self._verify(g, n_known, draft, r, now)
         return events
-
-    def _resolve_text_bias(self, p: SamplingParams) -> SamplingParams:
-        """llama-server's text-keyed logit bias: every token of the text's tokenization
-        (as plain text, specials not parsed) gets the bias."""
-        if not p.logit_bias_text:
-            return p
-        bias = dict(p.logit_bias)
-        for text, b in p.logit_bias_text.items():
-            for t in set(self.backend.tokenize(text, add_special=False, parse_special=False)):
-                bias[t] = bias.get(t, 0.0) + b
-        return dataclasses.replace(p, logit_bias=bias, logit_bias_text={})
 
     def _draft(self, g: Generation, room: int) -> list[int]:
         """Prompt-lookup draft for a decoding generation, within every limit it has."""
@@ -470,9 +458,12 @@ class Engine:
         self.release(g)
         return Event(text, [token] if token is not None else [], reason, g.timings)
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Event]:
-        """Stream one generation. kwargs: sampling, max_tokens, stop, ignore_eos, lookup, grammar."""
-        gen = self.start(prompt, **kwargs)
+    def generate(
+        self, prompt: str | Sequence[int], request: GenerationRequest | None = None, **options
+    ) -> Iterator[Event]:
+        """Stream one generation: a GenerationRequest, or its fields as keywords
+        (sampling, max_tokens, stop, ignore_eos, lookup, grammar)."""
+        gen = self.start(prompt, request, **options)
         try:
             if gen.done:
                 yield Event("", [], gen.finish_reason, gen.timings)
@@ -484,18 +475,20 @@ class Engine:
         finally:
             self.release(gen)
 
-    def complete(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+    def complete(
+        self, prompt: str | Sequence[int], request: GenerationRequest | None = None, **options
+    ) -> Completion:
         parts: list[str] = []
         tokens: list[int] = []
         last = Event("", [], "length", Timings())
-        for ev in self.generate(prompt, **kwargs):
+        for ev in self.generate(prompt, request, **options):
             parts.append(ev.text)
             tokens.extend(ev.tokens)
             last = ev
         return Completion("".join(parts), tokens, last.finish_reason or "length", last.timings or Timings())
 
-    def chat(self, messages: list[dict], **kwargs) -> Iterator[Event]:
-        return self.generate(self.chat_prompt(messages), **kwargs)
+    def chat(self, messages: list[dict], request: GenerationRequest | None = None, **options) -> Iterator[Event]:
+        return self.generate(self.chat_prompt(messages), request, **options)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -353,3 +353,34 @@ def test_completion_reports_the_stop_word(server):
     body = {"prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, "stop": [" 6"]}
     r = httpx.post(server.url + "/completion", json=body, timeout=60).json()
     assert r["stop_type"] == "word" and r["stopping_word"] == " 6" and "6" not in r["content"]
+
+
+# -- request bounds: a 400 naming the field, before any work (localrun.request) ------------
+
+
+OVER_THE_BOUNDS = [
+    ("/completion", {"prompt": "hi", "logit_bias": [[99999999999999999999, 1]]}, "logit_bias"),
+    ("/completion", {"prompt": "hi", "logit_bias": [[49152, 1]]}, "logit_bias"),  # SmolLM2 has ids 0..49151
+    ("/completion", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ("/completion", {"prompt": "hi", "n_probs": 21}, "n_probs"),
+    ("/completion", {"prompt": "hi", "n_indent": 5000}, "n_indent"),
+    ("/completion", {"prompt": "hi", "response_fields": ["content"] * 65}, "response_fields"),
+    ("/completion", {"prompt": "hi", "grammar": "root ::= " + '"a" ' * 70000}, "grammar"),
+    ("/infill", {"input_prefix": "a", "input_extra": [{"text": "x"}] * 257}, "input_extra"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages"),
+    ("/v1/completions", {"prompt": [1] * (1 << 20 | 1)}, "prompt"),
+    ("/api/chat", {"messages": [{"role": "user", "content": "hi"}], "options": {"stop": ["x" * 257]}},
+     "options.stop[0]"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", OVER_THE_BOUNDS, ids=[f"{p} {f}" for p, _, f in OVER_THE_BOUNDS])
+def test_a_field_over_its_bound_is_a_400_naming_it(server, path, body, field):
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert field in (err if isinstance(err, str) else err["message"])
+    ok = httpx.post(server.url + "/completion", json={"prompt": "1, 2, 3,", "n_predict": 2}, timeout=60)
+    assert ok.status_code == 200  # and the model's scheduler still serves

@@ -16,6 +16,7 @@ from typing import Callable
 
 from localrun.engine import Engine, Timings
 from localrun.errors import ContextExceededError, LocalrunError
+from localrun.request import GenerationRequest
 
 from .settings import ChatSettings
 
@@ -117,13 +118,13 @@ class ChatSession:
                 raise LocalrunError("no model is open: pick one with Ctrl+O")
             reserve = settings.max_tokens or 256
             tokens, dropped = self.fit_prompt(messages, settings.system, reserve)
-            gen = engine.start(
-                tokens,
+            request = GenerationRequest(
                 sampling=replace(settings.sampling),
                 max_tokens=settings.max_tokens,
                 lookup=settings.lookup,
                 grammar=settings.grammar,
             )
+            gen = engine.start(tokens, request)
             parts: list[str] = []
             try:
                 while not gen.done:

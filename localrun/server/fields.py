@@ -1,6 +1,8 @@
-"""Reading request bodies: typed fields whose errors name the field, and the mapping of
+"""Reading request bodies: typed fields whose errors name the field, the mapping of
 each dialect's sampling parameters onto SamplingParams (so every sampler stage is
-reachable over REST, under llama-server's names in every dialect)."""
+reachable over REST, under llama-server's names in every dialect), and the parts of a
+GenerationRequest every dialect reads alike (stop, lookup, grammar, messages). The
+bounds are localrun.request's."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 
 from ..errors import BadRequestError
 from ..grammar import Grammar
+from ..request import MAX_CONTENT_PARTS, MAX_GRAMMAR_CHARS, MAX_MESSAGES, MAX_ROLE_CHARS, GenerationRequest
 from ..sampling import PARAMETER, PARAMETERS, SamplingParams
 
 # SamplingParams fields a request may set under their own (llama-server) names: every
@@ -45,7 +48,7 @@ class Body:
             raise BadRequestError(f"{self._name(key)} must be a string, got {_show(v)}")
         return v
 
-    def int(self, key: str, default: int | None = None, lo: int | None = None) -> int | None:
+    def int(self, key: str, default: int | None = None, lo: int | None = None, hi: int | None = None) -> int | None:
         v = self.data.get(key)
         if v is None:
             return default
@@ -55,6 +58,8 @@ class Body:
             raise BadRequestError(f"{self._name(key)} must be an integer, got {_show(v)}")
         if lo is not None and v < lo:
             raise BadRequestError(f"{self._name(key)} must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise BadRequestError(f"{self._name(key)} must be <= {hi}, got {v}")
         return v
 
     def float(self, key: str, default: float | None = None) -> float | None:
@@ -92,7 +97,7 @@ class Body:
             raise BadRequestError(f"{self._name(key)} must be a JSON object, got {_show(v)}")
         return Body(v, f"{self.where}{key}.")
 
-    def list(self, key: str, required: bool = False) -> list | None:
+    def list(self, key: str, required: bool = False, most: int | None = None) -> list | None:
         v = self.data.get(key)
         if v is None:
             if required:
@@ -100,6 +105,8 @@ class Body:
             return None
         if not isinstance(v, list):
             raise BadRequestError(f"{self._name(key)} must be a list, got {_show(v)}")
+        if most is not None and len(v) > most:
+            raise BadRequestError(f"{self._name(key)} may hold at most {most} items, got {len(v)}")
         return v
 
 
@@ -148,11 +155,14 @@ def _samplers(body: Body, key: str) -> list[str]:
 
 
 def grammar_from(body: Body) -> Grammar | None:
-    """llama-server's `grammar` (GBNF) or `json_schema`, or OpenAI's `response_format`."""
+    """llama-server's `grammar` (GBNF) or `json_schema`, or OpenAI's `response_format`.
+    Compiling grows with the grammar: call it off the event loop (see `generation_request`)."""
     if body.has("grammar"):
-        return Grammar.from_gbnf(body.str("grammar"))
+        text = body.str("grammar")
+        _check_grammar_size(len(text), "grammar")
+        return Grammar.from_gbnf(text)
     if body.has("json_schema"):
-        return _schema(body.get("json_schema"), "json_schema")
+        return schema_grammar(body.get("json_schema"), "json_schema")
     if body.has("response_format"):
         fmt = body.obj("response_format")
         kind = fmt.str("type", required=True)
@@ -160,30 +170,53 @@ def grammar_from(body: Body) -> Grammar | None:
             return None
         if kind == "json_object":
             schema = fmt.get("schema")
-            return _schema(schema, "response_format.schema") if schema is not None else Grammar.json_object()
+            return schema_grammar(schema, "response_format.schema") if schema is not None else Grammar.json_object()
         if kind == "json_schema":
             inner = fmt.obj("json_schema")
             schema = inner.get("schema")
             if schema is None:
                 raise BadRequestError("'response_format.json_schema.schema' is required")
-            return _schema(schema, "response_format.json_schema.schema")
+            return schema_grammar(schema, "response_format.json_schema.schema")
         raise BadRequestError(f"'response_format.type' must be text, json_object or json_schema, got {_show(kind)}")
     return None
 
 
-def _schema(schema, where: str) -> Grammar:
+def schema_grammar(schema, where: str) -> Grammar:
+    """The Grammar of a JSON schema given in a request's field `where`."""
     if not isinstance(schema, (dict, bool)):
         raise BadRequestError(f"'{where}' must be a JSON schema object, got {_show(schema)}")
+    _check_grammar_size(len(json.dumps(schema)), where)
     try:
         return Grammar.from_json_schema(schema)
     except BadRequestError as exc:
         raise BadRequestError(f"'{where}': {exc}") from None
 
 
+def _check_grammar_size(n_chars: int, where: str) -> None:
+    if n_chars > MAX_GRAMMAR_CHARS:
+        raise BadRequestError(f"'{where}' may be at most {MAX_GRAMMAR_CHARS} characters long, got {n_chars}")
+
+
+def generation_request(
+    fields: Body, sampling: SamplingParams, max_tokens: int | None, grammar: Grammar | None, **limits
+) -> GenerationRequest:
+    """The GenerationRequest every dialect builds: `fields` is where its `stop` and
+    `lookup` live (the body, or Ollama's `options`); `limits` are llama-server's
+    t_max_predict_ms, n_indent and ignore_eos. A dialect's builder compiles a grammar,
+    so it runs in a worker thread (`await asyncio.to_thread(build_request, body)`)."""
+    try:
+        return GenerationRequest(
+            sampling=sampling, max_tokens=max_tokens, stop=fields.strings("stop") or (),
+            lookup=fields.bool("lookup", True), grammar=grammar, **limits,
+        )
+    except BadRequestError as exc:  # GenerationRequest names the field; say where it sits
+        raise BadRequestError(f"{fields.where}{exc}") from None
+
+
 def messages(body: Body) -> list[dict]:
     """A chat's messages as {role, content} with text content (OpenAI's list-of-parts
     content is joined; images are refused: these models read text only)."""
-    raw = body.list("messages", required=True)
+    raw = body.list("messages", required=True, most=MAX_MESSAGES)
     if not raw:
         raise BadRequestError("'messages' must hold at least one message")
     out = []
@@ -192,12 +225,18 @@ def messages(body: Body) -> list[dict]:
         if not isinstance(m, dict):
             raise BadRequestError(f"'{where}' must be an object with role and content, got {_show(m)}")
         role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise BadRequestError(f"'{where}.role' must be a non-empty string, got {_show(role)}")
+        if not isinstance(role, str) or not role or len(role) > MAX_ROLE_CHARS:
+            raise BadRequestError(
+                f"'{where}.role' must be a string of 1..{MAX_ROLE_CHARS} characters, got {_show(role)}"
+            )
         content = m.get("content")
         if content is None:
             content = ""
         if isinstance(content, list):
+            if len(content) > MAX_CONTENT_PARTS:
+                raise BadRequestError(
+                    f"'{where}.content' may hold at most {MAX_CONTENT_PARTS} parts, got {len(content)}"
+                )
             texts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None

@@ -10,25 +10,35 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from ..errors import BadRequestError
-from .fields import Body, grammar_from, sampling_params
+from ..request import (
+    MAX_FIELD_NAME_CHARS,
+    MAX_INPUT_EXTRA,
+    MAX_RESPONSE_FIELDS,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+    GenerationRequest,
+)
+from .fields import Body, generation_request, grammar_from, sampling_params
 from .fim import fim_tokens
 from .http import sse, stream
 from .runner import collect, events, logprob, submit
 from .state import route, state
 
 
-def _options(b: Body) -> dict:
-    n_predict = b.int("n_predict")
+def build_request(b: Body) -> GenerationRequest:
+    """The body's GenerationRequest; compiles its grammar, so call it off the event loop."""
+    n_predict = b.int("n_predict", hi=MAX_TOKENS_LIMIT)
     if n_predict is None:
-        n_predict = b.int("max_tokens")
-    return {
-        "sampling": sampling_params(b, n_probs=b.int("n_probs", 0, lo=0)),
-        "max_tokens": None if n_predict is None or n_predict < 0 else n_predict,
-        "stop": b.strings("stop"),
-        "grammar": grammar_from(b),
-        "ignore_eos": b.bool("ignore_eos", False),
-        "lookup": b.bool("lookup", True),
-    }
+        n_predict = b.int("max_tokens", hi=MAX_TOKENS_LIMIT)
+    return generation_request(
+        b,
+        sampling_params(b, n_probs=b.int("n_probs", 0, lo=0, hi=MAX_TOP_LOGPROBS)),
+        None if n_predict is None or n_predict < 0 else n_predict,  # -1: to the end of the context
+        grammar_from(b),
+        ignore_eos=b.bool("ignore_eos", False),
+        t_max_predict_ms=b.float("t_max_predict_ms"),
+        n_indent=b.int("n_indent", 0, lo=0),
+    )
 
 
 def _prompt_tokens(eng, prompt) -> list[int]:
@@ -85,11 +95,12 @@ def _timings(t) -> dict:
 
 def _read_run_fields(b: Body) -> dict:
     """Every field `_run` reads, checked before a job exists (a refused request never runs)."""
-    fields = b.list("response_fields")
-    if fields is not None and not all(isinstance(f, str) for f in fields):
-        raise BadRequestError("'response_fields' must be a list of field names")
-    return {"stream": b.bool("stream", False), "t_max_predict_ms": b.float("t_max_predict_ms"),
-            "n_indent": b.int("n_indent", 0, lo=0), "fields": fields}
+    fields = b.list("response_fields", most=MAX_RESPONSE_FIELDS)
+    if fields is not None and not all(isinstance(f, str) and len(f) <= MAX_FIELD_NAME_CHARS for f in fields):
+        raise BadRequestError(
+            f"'response_fields' must be a list of field names of at most {MAX_FIELD_NAME_CHARS} characters"
+        )
+    return {"stream": b.bool("stream", False), "fields": fields}
 
 
 def _project(out: dict, fields: list[str] | None) -> dict:
@@ -106,9 +117,9 @@ def _project(out: dict, fields: list[str] | None) -> dict:
     return picked
 
 
-async def _run(request: Request, run: dict, model, tokens: list[int], options: dict):
-    job = submit(model, tokens, options, run["t_max_predict_ms"], run["n_indent"])
-    eng, n_probs = model.engine, options["sampling"].n_probs
+async def _run(request: Request, run: dict, model, tokens: list[int], gen_request: GenerationRequest):
+    job = await submit(model, tokens, gen_request)
+    eng, n_probs = model.engine, gen_request.sampling.n_probs
 
     def final(text: str, out_tokens: list[int], reason: str, t) -> dict:
         return {
@@ -152,10 +163,10 @@ async def completion(request: Request):
     b = await st.body(request)
     if b.get("prompt") is None:
         raise BadRequestError("'prompt' is required")
-    options, run = _options(b), _read_run_fields(b)
+    gen_request, run = await asyncio.to_thread(build_request, b), _read_run_fields(b)
     model = await st.manager.get(b.str("model"))
     tokens = await asyncio.to_thread(_prompt_tokens, model.engine, b.get("prompt"))
-    return await _run(request, run, model, tokens, options)
+    return await _run(request, run, model, tokens, gen_request)
 
 
 @route("POST", "/infill")
@@ -164,14 +175,14 @@ async def infill(request: Request):
     b = await st.body(request)
     prefix, suffix, middle = b.str("input_prefix", ""), b.str("input_suffix", ""), b.str("prompt", "")
     extra = []
-    for i, chunk in enumerate(b.list("input_extra") or []):
+    for i, chunk in enumerate(b.list("input_extra", most=MAX_INPUT_EXTRA) or []):
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str):
             raise BadRequestError(f"'input_extra[{i}]' must be an object with 'filename' and 'text' strings")
         extra.append((str(chunk.get("filename") or ""), chunk.get("text", "")))
-    options, run = _options(b), _read_run_fields(b)
+    gen_request, run = await asyncio.to_thread(build_request, b), _read_run_fields(b)
     model = await st.manager.get(b.str("model"))
     tokens = await asyncio.to_thread(fim_tokens, model.engine, prefix, suffix, extra, middle, name=model.name)
-    return await _run(request, run, model, tokens, options)
+    return await _run(request, run, model, tokens, gen_request)
 
 
 @route("POST", "/tokenize")
@@ -185,14 +196,18 @@ async def tokenize(request: Request):
     ids = await asyncio.to_thread(eng.backend.tokenize, content, add_special, parse_special)
     if not b.bool("with_pieces", False):
         return JSONResponse({"tokens": ids})
-    pieces = []
-    for t in ids:
-        raw = eng.backend.token_bytes(t) or eng.backend.token_text(t).encode()
-        try:
-            pieces.append({"id": t, "piece": raw.decode("utf-8")})
-        except UnicodeDecodeError:  # part of a multi-byte character: llama-server sends the bytes
-            pieces.append({"id": t, "piece": list(raw)})
-    return JSONResponse({"tokens": pieces})
+
+    def with_pieces() -> list[dict]:  # one piece per token: off the event loop, like the tokenizing
+        pieces = []
+        for t in ids:
+            raw = eng.backend.token_bytes(t) or eng.backend.token_text(t).encode()
+            try:
+                pieces.append({"id": t, "piece": raw.decode("utf-8")})
+            except UnicodeDecodeError:  # part of a multi-byte character: llama-server sends the bytes
+                pieces.append({"id": t, "piece": list(raw)})
+        return pieces
+
+    return JSONResponse({"tokens": await asyncio.to_thread(with_pieces)})
 
 
 @route("POST", "/detokenize")
@@ -202,10 +217,14 @@ async def detokenize(request: Request):
     ids = b.list("tokens", required=True)
     model = await st.manager.get(b.str("model"))
     n_vocab = model.engine.info.n_vocab
-    for i, t in enumerate(ids):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n_vocab:
-            raise BadRequestError(f"'tokens[{i}]' must be a token id in 0..{n_vocab - 1}")
-    return JSONResponse({"content": model.engine.detokenize(ids)})
+
+    def detokenize() -> str:  # grows with the list: off the event loop
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < n_vocab:
+                raise BadRequestError(f"'tokens[{i}]' must be a token id in 0..{n_vocab - 1}")
+        return model.engine.detokenize(ids)
+
+    return JSONResponse({"content": await asyncio.to_thread(detokenize)})
 
 
 @route("GET", "/health")

@@ -14,8 +14,9 @@ from starlette.responses import JSONResponse
 
 from ..errors import BadRequestError
 from ..grammar import Grammar
+from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, GenerationRequest
 from .describe import describe
-from .fields import Body, messages, sampling_params
+from .fields import Body, generation_request, messages, sampling_params, schema_grammar
 from .fim import fim_tokens
 from .http import ndjson, stream
 from .models import parse_keep_alive
@@ -29,9 +30,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _options(b: Body) -> dict:
+def build_request(b: Body) -> GenerationRequest:
+    """The body's GenerationRequest; compiles its format, so call it off the event loop."""
     opts = b.obj("options")
-    predict = opts.int("num_predict")
+    predict = opts.int("num_predict", hi=MAX_TOKENS_LIMIT)
     # Ollama: -1 = no limit, -2 = fill the context; both mean "to the end of the context" here
     max_tokens = None if predict is None or predict < 0 else predict
     fmt = b.get("format")
@@ -40,16 +42,10 @@ def _options(b: Body) -> dict:
     elif fmt == "json":
         grammar = Grammar.json_object()
     elif isinstance(fmt, dict):
-        grammar = Grammar.from_json_schema(fmt)
+        grammar = schema_grammar(fmt, "format")
     else:
         raise BadRequestError(f"'format' must be \"json\" or a JSON schema object, got {fmt!r}")
-    return {
-        "sampling": sampling_params(opts),
-        "max_tokens": max_tokens,
-        "stop": opts.strings("stop"),
-        "grammar": grammar,
-        "lookup": opts.bool("lookup", True),
-    }
+    return generation_request(opts, sampling_params(opts), max_tokens, grammar)
 
 
 def _final(t, load_ns: int, started: float) -> dict:
@@ -132,11 +128,11 @@ async def chat(request: Request):
     if not b.list("messages"):
         return await _load_only(st, b, name or "", "message", {"role": "assistant", "content": ""})
     msgs = messages(b)
-    options = _options(b)
+    gen_request = await asyncio.to_thread(build_request, b)
     streaming = b.bool("stream", True)
     name, model, load_ns = await _model(st, b)
     tokens = await asyncio.to_thread(model.engine.chat_prompt, msgs)
-    job = submit(model, tokens, options)
+    job = await submit(model, tokens, gen_request)
     return await _answer(request, model, job, streaming, name,
                          lambda text: {"message": {"role": "assistant", "content": text}}, load_ns, started, None)
 
@@ -151,8 +147,8 @@ async def generate(request: Request):
         raise BadRequestError("'images': this server reads text only")
     if not prompt and not suffix:
         return await _load_only(st, b, b.str("model") or b.str("name") or "", "response", "")
-    options = _options(b)
-    context = b.list("context") or []
+    gen_request = await asyncio.to_thread(build_request, b)
+    context = b.list("context", most=MAX_PROMPT_TOKENS) or []
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise BadRequestError("'context' must be a list of token ids")
     streaming, raw = b.bool("stream", True), b.bool("raw", False)
@@ -165,7 +161,7 @@ async def generate(request: Request):
     else:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         tokens = context + await asyncio.to_thread(eng.chat_prompt, msgs)
-    job = submit(model, tokens, options)
+    job = await submit(model, tokens, gen_request)
     return await _answer(request, model, job, streaming, name, lambda text: {"response": text}, load_ns, started, tokens)
 
 

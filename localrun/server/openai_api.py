@@ -16,26 +16,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..errors import BadRequestError
-from .fields import Body, grammar_from, messages, sampling_params
+from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, GenerationRequest
+from .fields import Body, generation_request, grammar_from, messages, sampling_params
 from .fim import fim_tokens
 from .http import sse, stream
 from .runner import Result, collect, events, logprob, submit
 from .state import embed_inputs, route, state
 
 
-def _options(b: Body, n_probs: int) -> dict:
+def build_request(b: Body, n_probs: int) -> GenerationRequest:
+    """The body's GenerationRequest; compiles its grammar, so call it off the event loop."""
     if b.int("n", 1) != 1:
         raise BadRequestError("'n' must be 1: this server returns one choice per request")
-    max_tokens = b.int("max_completion_tokens", lo=0)
+    max_tokens = b.int("max_completion_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
     if max_tokens is None:
-        max_tokens = b.int("max_tokens", lo=0)
-    return {
-        "sampling": sampling_params(b, n_probs=n_probs),
-        "max_tokens": max_tokens,
-        "stop": b.strings("stop"),
-        "grammar": grammar_from(b),
-        "lookup": b.bool("lookup", True),
-    }
+        max_tokens = b.int("max_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
+    return generation_request(b, sampling_params(b, n_probs=n_probs), max_tokens, grammar_from(b))
 
 
 def _usage(t) -> dict:
@@ -89,13 +85,13 @@ async def chat_completions(request: Request):
     st = state(request)
     b = await st.body(request)
     want_lp = b.bool("logprobs", False)
-    n_top = b.int("top_logprobs", 0, lo=0) if want_lp else 0
-    options = _options(b, max(n_top, 1) if want_lp else 0)
+    n_top = b.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS) if want_lp else 0
+    gen_request = await asyncio.to_thread(build_request, b, max(n_top, 1) if want_lp else 0)
     msgs = messages(b)
     streaming, include_usage = b.bool("stream", False), b.obj("stream_options").bool("include_usage", False)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
     tokens = await asyncio.to_thread(model.engine.chat_prompt, msgs)
-    job = submit(model, tokens, options)
+    job = await submit(model, tokens, gen_request)
     cid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model.name
     eng = model.engine
 
@@ -140,8 +136,8 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     st = state(request)
     b = await st.body(request)
-    n_top = b.int("logprobs", 0, lo=0)
-    options = _options(b, n_top)
+    n_top = b.int("logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    gen_request = await asyncio.to_thread(build_request, b, n_top)
     if b.bool("echo", False):
         raise BadRequestError("'echo' is not supported; send echo: false")
     prompt = b.get("prompt")
@@ -150,6 +146,8 @@ async def completions(request: Request):
     suffix = b.str("suffix")
     if suffix is not None and not isinstance(prompt, str):
         raise BadRequestError("'prompt' must be a string when 'suffix' is given")
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKENS:
+        raise BadRequestError(f"'prompt' may hold at most {MAX_PROMPT_TOKENS} token ids, got {len(prompt)}")
     if not isinstance(prompt, str) and not (
         isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
@@ -163,7 +161,7 @@ async def completions(request: Request):
         tokens = await asyncio.to_thread(eng.tokenize, prompt)
     else:
         tokens = list(prompt)
-    job = submit(model, tokens, options)
+    job = await submit(model, tokens, gen_request)
     cid, created, name = f"cmpl-{uuid.uuid4().hex}", int(time.time()), model.name
 
     def chunk(text: str, finish=None, lp=None) -> dict:

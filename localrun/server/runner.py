@@ -12,20 +12,27 @@ from typing import AsyncIterator
 from starlette.requests import Request
 
 from ..engine import Event, Timings
-from ..errors import BadRequestError
+from ..request import GenerationRequest, prepare
 from .http import until_done_or_disconnect
 from .indent import IndentLimit
 from .models import Loaded
 from .scheduler import END, Job
 
 
-def submit(model: Loaded, tokens: list[int], options: dict, t_max_predict_ms: float | None = None,
-           n_indent: int | None = None) -> Job:
-    max_tokens = options.get("max_tokens")
-    model.engine.check_prompt(tokens, max_tokens)
-    if options.get("grammar") is not None and model.engine.info.eos_id is None and not model.engine.info.stop_ids:
-        raise BadRequestError("this model has no end-of-sequence token, so it cannot follow a grammar")
-    job = Job(tokens, options, asyncio.get_running_loop(), t_max_predict_ms, IndentLimit(n_indent) if n_indent else None)
+async def submit(model: Loaded, tokens: list[int], request: GenerationRequest) -> Job:
+    """Queue a generation after every check that can refuse it. The request is prepared
+    for the model (text logit bias tokenized, ids checked against the vocabulary, DRY
+    breakers and the grammar's tokenizer resolved) and the prompt checked in a worker
+    thread: that work grows with the request and the vocabulary, and neither the event
+    loop nor the model's scheduler thread may wait for it."""
+
+    def ready() -> GenerationRequest:
+        model.engine.check_prompt(tokens)
+        return prepare(model.engine, request)
+
+    request = await asyncio.to_thread(ready)
+    indent = IndentLimit(request.n_indent) if request.n_indent else None
+    job = Job(tokens, request, asyncio.get_running_loop(), request.t_max_predict_ms, indent)
     model.scheduler.submit(job)
     return job
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..engine import Engine, Generation
 from ..errors import LocalrunError
+from ..request import GenerationRequest
 from .indent import IndentLimit
 
 
@@ -39,7 +40,7 @@ END = object()  # the last item a job's queue receives
 @dataclass
 class Job:
     tokens: list[int]
-    options: dict  # Engine.start keyword arguments: sampling, max_tokens, stop, lookup, grammar, ...
+    request: GenerationRequest  # what Engine.start takes, already prepared for this model
     loop: asyncio.AbstractEventLoop
     t_max_predict_ms: float | None = None
     indent: IndentLimit | None = None  # llama-server's n_indent
@@ -232,7 +233,7 @@ class Scheduler:
         while self._waiting and self.engine.free_slots:
             job = self._waiting.popleft()
             try:
-                job.gen = self.engine.start(job.tokens, **job.options)
+                job.gen = self.engine.start(job.tokens, job.request)
             except Exception as exc:  # refuse this request; the others go on
                 if not isinstance(exc, LocalrunError):
                     traceback.print_exc(file=sys.stderr)

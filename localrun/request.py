@@ -1,0 +1,233 @@
+"""One generation request, typed and bounded: what every entry point builds (the three
+HTTP dialects, `localrun run`, the chat app, the Python API) and `Engine.start` takes.
+
+    req = GenerationRequest(sampling=SamplingParams(temperature=0), max_tokens=64, stop=["\\n\\n"])
+    req = prepare(engine, req)          # tokenizer and vocabulary work; a server runs it off the loop
+    gen = engine.start(tokens, req)     # slot, KV trim, grammar matcher: nothing that grows with the request
+
+Two steps, because they run in different places on a server. A `GenerationRequest` is
+checked when it is made, so a bad field is a 400 before any model is touched.
+`prepare(engine, request)` does the work that needs the model and grows with the
+request's size or the vocabulary (text logit-bias keys tokenized, logit-bias ids checked
+against the vocabulary, DRY's sequence breakers resolved, the grammar's tokenizer built)
+in a worker thread, so the scheduler thread, which every stream of a model shares, only
+finds cache hits. `Engine.start` prepares a request itself when its caller has not; on
+a prepared request that costs a few dictionary look-ups.
+
+Bounds, each a `BadRequestError` whose message starts with the field's name:
+
+- `stop`: at most `MAX_STOP_STRINGS` = 16 strings of at most `MAX_STOP_CHARS` = 256
+  characters. OpenAI allows 4; llama-server sets no limit, and the clients we serve
+  (editors, chat front ends) send a handful. The stop matcher compares every stop string
+  with the held tail of the text at every token, inside the step every stream of the
+  model shares, so 16 x 256 caps that work at a few thousand character comparisons a
+  token.
+- `max_tokens`: None (to the end of the context) or 0..`MAX_TOKENS_LIMIT` = 2**31 - 1,
+  llama.cpp's int32 (llama-server's n_predict); the engine cuts it to the context anyway.
+- `ignore_eos`: true or false.
+- `lookup`: true, false or a `LookupConfig` (Python callers).
+- `grammar`: a compiled `Grammar` or None; its source is capped where it is read, at
+  `MAX_GRAMMAR_CHARS` = 262,144 characters (GBNF text, regex, or the JSON schema as
+  JSON): a JSON schema for a dozen tools is a few tens of kilobytes, and llguidance's
+  compile time grows with the grammar.
+- `t_max_predict_ms` (llama-server's editor time budget; the scheduler enforces it): None
+  or a finite number of milliseconds up to `MAX_T_MAX_PREDICT_MS` = 86,400,000 (a day);
+  0 or less means no limit, as in llama-server.
+- `n_indent` (llama.vim's indentation cut; the scheduler enforces it):
+  0..`MAX_N_INDENT` = 1024 columns; no code indents deeper, and 1024 already cuts at
+  every later line.
+
+Bounds on the rest of a server request, checked by `localrun.server.fields` and the
+dialects where the field is read, with the dialect's own name:
+
+- `messages`: at most `MAX_MESSAGES` = 8192 (each message costs its chat template a few
+  tokens of its own, so more would not fit even a 32k context; the cap bounds the checks
+  that run on the event loop); a message's `content` given as parts: at most
+  `MAX_CONTENT_PARTS` = 256 text parts; a `role`: at most `MAX_ROLE_CHARS` = 64 characters.
+- `response_fields` (llama-server): at most `MAX_RESPONSE_FIELDS` = 64 names of at most
+  `MAX_FIELD_NAME_CHARS` = 256 characters.
+- a prompt given as token ids (OpenAI's `prompt`, Ollama's `context`): at most
+  `MAX_PROMPT_TOKENS` = 1,048,576 ids (no model's context holds more), checked before
+  the ids are scanned on the event loop; each id is then checked against the model's
+  vocabulary with the prompt, off the loop.
+- `input_extra` (llama.vim's context chunks): at most `MAX_INPUT_EXTRA` = 256 chunks
+  (llama.vim's ring buffer holds 16 by default).
+- `top_logprobs` / `logprobs` / `n_probs`: at most `MAX_TOP_LOGPROBS` = 20, OpenAI's
+  limit and `SamplingParams`' own (`MAX_N_PROBS`): each one is a Python object per
+  generated token in the answer. Read under each dialect's name, so the 400 names it.
+
+The sampler's own bounds (logit-bias entries, DRY breakers, `samplers`, every number)
+are `SamplingParams`' (localrun.sampling.declare).
+
+Room for tool calls (issue 15): `tools` and `tool_choice` join this object next to
+`grammar`, as the lazy constraint they compile to, so every entry point gets them the
+same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .errors import BadRequestError
+from .grammar import Grammar, build_tokenizer
+from .sampling import SamplingParams
+from .sampling.declare import MAX_N_PROBS
+from .speculative import LookupConfig
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_GRAMMAR_CHARS = 1 << 18
+MAX_T_MAX_PREDICT_MS = 86_400_000
+MAX_N_INDENT = 1024
+
+MAX_MESSAGES = 8192
+MAX_CONTENT_PARTS = 256
+MAX_ROLE_CHARS = 64
+MAX_RESPONSE_FIELDS = 64
+MAX_FIELD_NAME_CHARS = 256
+MAX_INPUT_EXTRA = 256
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_TOP_LOGPROBS = MAX_N_PROBS  # the sampler's own cap on n_probs, checked under each dialect's name
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything one generation asks for besides its prompt, validated when made.
+
+    `stop` is kept as a tuple and `lookup` as a `LookupConfig` (True/False become
+    `LookupConfig(enabled=...)`), so two requests asking the same thing compare equal."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: to the end of the context
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+    grammar: Grammar | None = None  # the output constraint; tools (issue 15) belong beside it
+    # limits the server's scheduler enforces (llama-server's fields); the engine ignores them
+    t_max_predict_ms: float | None = None
+    n_indent: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise BadRequestError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
+        object.__setattr__(self, "max_tokens", _max_tokens(self.max_tokens))
+        object.__setattr__(self, "stop", _stops(self.stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise BadRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        object.__setattr__(self, "lookup", _lookup(self.lookup))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise BadRequestError(f"grammar must be a compiled Grammar, got {type(self.grammar).__name__}")
+        object.__setattr__(self, "t_max_predict_ms", _time_budget(self.t_max_predict_ms))
+        object.__setattr__(self, "n_indent", _n_indent(self.n_indent))
+
+    @classmethod
+    def of(cls, **options) -> "GenerationRequest":
+        """From keyword options, as the Python API spells them: sampling, max_tokens,
+        stop, ignore_eos, lookup, grammar (None for any of them means its default)."""
+        unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in options.items() if v is not None})
+
+
+def _max_tokens(v) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BadRequestError(f"max_tokens must be an integer, got {v!r}")
+    if not 0 <= v <= MAX_TOKENS_LIMIT:
+        raise BadRequestError(f"max_tokens must be in 0..{MAX_TOKENS_LIMIT}, got {v}")
+    return v
+
+
+def _stops(v) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)):
+        raise BadRequestError(f"stop must be a string or a list of strings, got {type(v).__name__}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise BadRequestError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise BadRequestError(f"stop[{i}] must be a string, got {type(s).__name__}")
+        if len(s) > MAX_STOP_CHARS:
+            raise BadRequestError(f"stop[{i}] must be at most {MAX_STOP_CHARS} characters, got {len(s)}")
+    return tuple(s for s in items if s)  # an empty stop string would end every answer at once
+
+
+def _lookup(v) -> LookupConfig:
+    if isinstance(v, LookupConfig):
+        return v
+    if not isinstance(v, bool):
+        raise BadRequestError(f"lookup must be true or false, got {v!r}")
+    return LookupConfig(enabled=v)
+
+
+def _time_budget(v) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadRequestError(f"t_max_predict_ms must be a finite number of milliseconds, got {v!r}")
+    if v > MAX_T_MAX_PREDICT_MS:
+        raise BadRequestError(f"t_max_predict_ms must be at most {MAX_T_MAX_PREDICT_MS} (a day), got {v}")
+    return float(v)
+
+
+def _n_indent(v) -> int:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BadRequestError(f"n_indent must be an integer, got {v!r}")
+    if not 0 <= v <= MAX_N_INDENT:
+        raise BadRequestError(f"n_indent must be in 0..{MAX_N_INDENT}, got {v}")
+    return v
+
+
+# -- preparing a request for one model ------------------------------------------------
+
+
+def prepare(engine, request: GenerationRequest) -> GenerationRequest:
+    """`request` ready for `engine.start` to take in O(1): what needs the model's
+    tokenizer or vocabulary is done here, and what is cached per model is warmed. A server
+    calls this in a worker thread; calling it again on its result is cheap (cache hits).
+    `engine` is an `Engine` (its backend, info and token_text)."""
+    sampling = prepare_sampling(engine, request.sampling)
+    if request.grammar is not None:
+        info = engine.info
+        if info.eos_id is None and not info.stop_ids:
+            raise BadRequestError("this model has no end-of-sequence token, so it cannot follow a grammar")
+        build_tokenizer(engine.backend)  # built once per model (seconds on a large vocabulary)
+    return request if sampling is request.sampling else dataclasses.replace(request, sampling=sampling)
+
+
+def prepare_sampling(engine, p: SamplingParams) -> SamplingParams:
+    """Text logit-bias keys turned into token ids (llama-server's rule: every token of the
+    text, tokenized as plain text, gets the bias), every id checked against the
+    vocabulary (an id past it once failed every stream of the model), and DRY's sequence
+    breakers resolved into the model's cache."""
+    n_vocab = int(engine.info.n_vocab)
+    p = p.with_text_bias(lambda text: engine.backend.tokenize(text, add_special=False, parse_special=False))
+    p.check_vocab(n_vocab)
+    if p.dry_on and "dry" in p.order:
+        # the Sampler asks the same shared TokenText for these on its first DRY step, where
+        # it is then a cache hit instead of a scan of the vocabulary per breaker
+        engine.token_text.breakers(p.dry_sequence_breakers, n_vocab)
+    return p
+
+
+def request_or_options(request: GenerationRequest | None, options: dict) -> GenerationRequest:
+    """`Engine.start`'s two spellings: a GenerationRequest, or its fields as keywords."""
+    if request is None:
+        return GenerationRequest.of(**options)
+    if options:
+        raise TypeError(f"pass a GenerationRequest or keyword options, not both (got {', '.join(sorted(options))})")
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"request must be a GenerationRequest, got {type(request).__name__}")
+    return request
+
