@@ -20,8 +20,8 @@ Bounds, each a `BadRequestError` whose message starts with the field's name:
   characters. OpenAI allows 4; llama-server sets no limit, and the clients we serve
   (editors, chat front ends) send a handful. The stop matcher compares every stop string
   with the held tail of the text at every token, inside the step every stream of the
-  model shares, so 16 x 256 caps that work at a few thousand character comparisons a
-  token.
+  model shares; at 16 x 256 (stops of 'a'/'b' fed random 'a'/'b' text, the matcher's
+  worst case) that measured ~15 us a token.
 - `max_tokens`: None (to the end of the context) or 0..`MAX_TOKENS_LIMIT` = 2**31 - 1,
   llama.cpp's int32 (llama-server's n_predict); the engine cuts it to the context anyway.
 - `ignore_eos`: true or false.
