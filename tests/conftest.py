@@ -15,6 +15,7 @@ MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "l
 SMOLLM2_GGUF = MODELS / "smollm2-135m-instruct-q4_1.gguf"
 GEMMA3_GGUF = MODELS / "gemma-3-270m-q4_k_m.gguf"
 SMOLLM2_MLX = MODELS / "smollm2-135m-instruct-mlx-f16"
+QWEN_CODER_GGUF = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"  # tools template, FIM tokens
 
 FETCH_HINT = "run scripts/fetch_test_models.py (the README's test command does)"
 
@@ -33,6 +34,11 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     return _need(GEMMA3_GGUF)
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    return _need(QWEN_CODER_GGUF)
 
 
 @pytest.fixture(scope="session")
