@@ -18,17 +18,68 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from localrun.errors import BackendUnavailableError, ModelLoadError
+from localrun.errors import BackendUnavailableError, ModelLoadError, UnsupportedFormatError
 
 from . import check_kv_cache_type
 from .base import BatchEntry, KvLedger, ModelInfo, check_batch
 
 _KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
+CONFIG_READ_LIMIT = 4 << 20  # a config.json is a few KB; a bigger one is not read whole
+
+
+class RemoteCodeError(UnsupportedFormatError):
+    """A model folder whose configuration asks to import Python code shipped with it."""
+
+
+def remote_code_asked(folder: str | os.PathLike) -> str | None:
+    """What a model folder's configuration asks to run as Python code, None when nothing:
+    config.json's `model_file` (mlx-lm imports that file to build the model) or an
+    `auto_map` in config.json or tokenizer_config.json (Hugging Face classes defined by
+    the repository's own code). A missing or unreadable file asks nothing here; the
+    loader reports it."""
+    folder = Path(folder)
+    for name, keys in (("config.json", ("model_file", "auto_map")), ("tokenizer_config.json", ("auto_map",))):
+        config = _read_json_object(folder / name)
+        for key in keys:
+            if config.get(key) is not None:
+                return f"{name} names {key} {json.dumps(config[key])[:120]}"
+    return None
+
+
+def check_remote_code(folder: str | os.PathLike, allowed: bool, how_to_allow: str) -> None:
+    """Refuse a folder that asks to run its own code unless the user allowed it."""
+    asked = remote_code_asked(folder)
+    if asked and not allowed:
+        raise RemoteCodeError(
+            f"{folder} asks to run Python code that ships with the model ({asked}); load it only if you"
+            f" trust where it came from: {how_to_allow}"
+        )
+
+
+def _read_json_object(path: Path) -> dict:
+    """A small JSON object file, {} when absent or unreadable. Opened non-blocking and
+    checked to be a regular file first, so a FIFO in its place cannot hang the caller."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, ValueError):
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        raw = f.read(CONFIG_READ_LIMIT + 1)
+    if len(raw) > CONFIG_READ_LIMIT:
+        raise UnsupportedFormatError(f"{path} is over {CONFIG_READ_LIMIT >> 20} MiB; a model config is a few KB")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _import_mlx():
@@ -98,14 +149,21 @@ class MLXBackend:
         n_seq: int = 1,
         n_batch: int = 512,
         kv_cache_type: str = "f16",
+        trust_remote_code: bool = False,
         **_ignored,
     ) -> None:
+        """trust_remote_code: let a model whose config names its own Python code
+        (`model_file`, `auto_map`) import it; refused otherwise, before anything loads."""
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
+        path = Path(path)
+        check_remote_code(path, trust_remote_code, "pass --trust-remote-code")
         mx, make_prompt_cache, load = _import_mlx()
         self._mx = mx
-        path = Path(path)
+        trusted = {}
+        if trust_remote_code:  # mlx-lm's own gates: the model's module, and the tokenizer's auto_map
+            trusted = {"trust_remote_code": True, "tokenizer_config": {"trust_remote_code": True}}
         try:
-            self._model, wrapper = load(str(path))
+            self._model, wrapper = load(str(path), **trusted)
         except (ValueError, FileNotFoundError, KeyError) as exc:
             raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from exc
         self._hf = wrapper._tokenizer

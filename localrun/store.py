@@ -21,11 +21,12 @@ import json
 import os
 import platform
 import re
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrun.errors import ModelNotFoundError
+from localrun.errors import ModelNotFoundError, UnsupportedFormatError
 from localrun.quant.quant_types import SPLIT_SUFFIX, quality_rank, quant_from_filename
 
 SOURCES = ("localrun", "hf-cache", "lmstudio")
@@ -240,6 +241,11 @@ def parse_name(name: str) -> tuple[str, str | None] | None:
     return f"{m.group(1)}/{m.group(2)}", m.group(3)
 
 
+def is_store_name(text: str) -> bool:
+    """A name the store resolves ("org/repo[:QUANT]"), not something to read as a path."""
+    return parse_name(text) is not None and not _looks_like_path(text)
+
+
 def _looks_like_path(text: str) -> bool:
     return (text.startswith(("/", "./", "../", "~", "\\")) or text.lower().endswith(".gguf")
             or (len(text) > 1 and text[1] == ":"))
@@ -255,13 +261,15 @@ def best_installed(candidates: list[StoredModel]) -> StoredModel:
     return min(candidates, key=lambda m: m.size_bytes)
 
 
-def find_models(name: str) -> list[StoredModel]:
-    """Installed models that a name stands for: one for "org/repo:QUANT", all of a repo for "org/repo"."""
+def find_models(name: str, installed: list[StoredModel] | None = None) -> list[StoredModel]:
+    """Installed models that a name stands for: one for "org/repo:QUANT", all of a repo for
+    "org/repo". `installed` is a listing to search instead of scanning the folders again."""
     parsed = parse_name(name)
     if parsed is None:
         return []
     repo, quant = parsed
-    same_repo = [m for m in list_models() if m.repo.lower() == repo.lower()]
+    listing = list_models() if installed is None else installed
+    same_repo = [m for m in listing if m.repo.lower() == repo.lower()]
     if quant is None:
         return same_repo
     return [m for m in same_repo if m.quant.lower() == quant.lower()]
@@ -276,18 +284,44 @@ def resolve_model(name_or_path: str) -> Path:
     text = str(name_or_path)
     path = Path(text).expanduser()
     if path.exists():
-        return path
+        return model_path_kind(path)[0]
     parsed = parse_name(text)
     if parsed is None or _looks_like_path(text):
         raise ModelNotFoundError(
             f"no model at {path}: give a .gguf file, an MLX model folder, or a name like org/repo:Q4_K_M"
         )
+    return resolve_installed(text)
+
+
+def model_path_kind(path: Path) -> tuple[Path, str]:
+    """(path, "file" | "folder") for a path that exists. A FIFO, device or socket is refused
+    from its stat alone: opening a FIFO to read its header would wait for a writer forever."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ModelNotFoundError(f"no model at {path}: {exc.strerror or exc}") from None
+    if stat.S_ISREG(mode):
+        return path, "file"
+    if stat.S_ISDIR(mode):
+        return path, "folder"
+    raise UnsupportedFormatError(
+        f"{path} is not a regular file or a folder (a FIFO, device or socket holds no model):"
+        " give a .gguf file or an MLX model folder"
+    )
+
+
+def resolve_installed(name: str, installed: list[StoredModel] | None = None) -> Path:
+    """The installed model a store name stands for (never a path on disk); `installed` is a
+    listing to search instead of scanning the folders again."""
+    parsed = parse_name(name)
+    if parsed is None:
+        raise ModelNotFoundError(f"{name} is not a model name: give one like org/repo:Q4_K_M")
     repo, quant = parsed
-    same_repo = find_models(repo)
+    same_repo = find_models(repo, installed)
     if not same_repo:
         raise ModelNotFoundError(
-            f"{text} is not installed (looked in {models_dir()}, the Hugging Face cache and LM Studio);"
-            f" run `localrun pull {text}` or see `localrun ls`"
+            f"{name} is not installed (looked in {models_dir()}, the Hugging Face cache and LM Studio);"
+            f" run `localrun pull {name}` or see `localrun ls`"
         )
     if quant is None:
         # MLX is the fast path on Apple Silicon only; elsewhere a GGUF of the repo wins.

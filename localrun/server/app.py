@@ -1,10 +1,11 @@
-"""The ASGI app: the three dialects' routes behind the guard, plus the housekeeping
-task that unloads idle models."""
+"""The ASGI app: the three dialects' routes behind the guard and the lease scope, plus
+the housekeeping task that unloads idle models."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -12,10 +13,35 @@ from starlette.requests import Request
 
 from . import llama_api, ollama_api, openai_api  # noqa: F401 - importing registers their routes
 from .http import Guard, error_response
-from .models import ModelManager
+from .models import ModelManager, request_scope
 from .state import ROUTES, ServerState
 
 REAP_INTERVAL_S = 1.0
+log = logging.getLogger("localrun.server")
+
+
+class LeaseScope:
+    """ASGI wrapper: each HTTP request holds the models it resolves (models.RequestLeases)
+    until its response is over. They are let go just before the response's last message
+    goes out, so a client that has read the whole answer never finds its model still
+    held, and in any case when the call ends (a hang-up, an error, a cancel); by then a
+    stream's generation has ended or been cancelled, and a busy scheduler still protects
+    a step that has not noticed yet."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        with request_scope() as leases:
+
+            async def send_then_let_go(message) -> None:
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    leases.release()
+                await send(message)
+
+            await self.app(scope, receive, send_then_let_go)
 
 
 def build_app(
@@ -31,7 +57,10 @@ def build_app(
         async def reap_forever():
             while True:
                 await asyncio.sleep(REAP_INTERVAL_S)
-                await manager.reap()
+                try:
+                    await manager.reap()
+                except Exception:  # a failed round is logged; the next one still runs
+                    log.exception("unloading idle models failed")
 
         reaper = asyncio.create_task(reap_forever())
         try:
@@ -45,4 +74,4 @@ def build_app(
 
     app = Starlette(routes=list(ROUTES), lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.localrun = ServerState(manager, body_limit)
-    return Guard(app, loopback, origins, api_key, bound_host)
+    return Guard(LeaseScope(app), loopback, origins, api_key, bound_host)

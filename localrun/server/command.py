@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import sys
 
 from ..errors import BadRequestError
@@ -15,26 +16,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import build_app
-    from .models import ModelManager, _resolve_path, parse_keep_alive
+    from .models import ModelManager, parse_keep_alive
+    from .shutdown import BoundedServer
 
     if args.parallel < 1:
         raise BadRequestError(f"--parallel must be at least 1, got {args.parallel}")
     if args.ctx is not None and args.ctx < 16:
         raise BadRequestError(f"--ctx must be at least 16 tokens, got {args.ctx}")
     for m in args.model or []:
-        _resolve_path(m)  # a wrong --model fails now, not at the first request
+        _check_model(m, args.trust_remote_code)  # a wrong --model fails now, not at the first request
     if args.max_models < 1:
         raise BadRequestError(f"--max-models must be at least 1, got {args.max_models}")
     if args.batch < 16:
         raise BadRequestError(f"--batch must be at least 16 tokens, got {args.batch}")
     manager = ModelManager(
         args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
-        args.batch, args.max_models, kv_cache_type=args.kv_cache_type,
+        args.batch, args.max_models, kv_cache_type=args.kv_cache_type, allow_paths=args.allow_paths,
+        trust_remote_code=args.trust_remote_code,
     )
+    _log_to_stderr()
     app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body, args.host)
-    print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
-    return 0
+    print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)",
+          file=sys.stderr)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    server = BoundedServer(config, manager)  # SIGTERM / Ctrl+C end the generations; the exit is bounded
+    server.run()
+    return 0 if server.started else 3  # uvicorn has said why it could not start (a port in use, ...)
+
+
+def _check_model(name: str, trust_remote_code: bool) -> None:
+    """A --model must exist (a path or an installed name), be a file or folder, and not ask
+    to run its own code unless allowed."""
+    from .. import store
+    from ..backends.mlx import check_remote_code
+
+    path = store.resolve_model(name)
+    if path.is_dir():
+        check_remote_code(path, trust_remote_code, "add --trust-remote-code if you trust it")
+
+
+def _log_to_stderr() -> None:
+    """The server's own log lines (load, unload, internal errors with their traceback)."""
+    log = logging.getLogger("localrun")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("localrun %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def _is_loopback(host: str) -> bool:
@@ -64,6 +93,13 @@ def add_commands(sub) -> None:
     p.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
     p.add_argument("--max-models", type=int, default=3,
                    help="models loaded at once; the least recently used idle one makes room (default 3)")
+    p.add_argument("--allow-paths", action="store_true",
+                   help="let requests name any .gguf file or MLX model folder on this machine by its path"
+                   " (default: only the --model models and installed models); whoever can reach the server"
+                   " may then load any model file this user can read")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="load MLX models whose config asks to run Python code shipped with them (model_file,"
+                   " auto_map); that code runs with this server's rights (default: such models are refused)")
     p.add_argument("--keep-alive", default="5m", help="unload a model idle this long (Ollama syntax; -1 = never)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",

@@ -74,7 +74,7 @@ async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
     """Ollama loads (or, with keep_alive 0, unloads) a model on a request without input."""
     keep = b.get("keep_alive")
     if keep is not None and parse_keep_alive(keep) == 0:
-        display, _ = st.manager.resolve(name)
+        display, _ = await st.manager.resolve(name)
         st.manager.expire(display)
         await st.manager.reap(grace=0)  # now if idle; else once its last client is done
         return JSONResponse({"model": name, "created_at": _now(), key: empty, "done": True, "done_reason": "unload"})
@@ -114,7 +114,7 @@ async def _model(st, b: Body):
     if not name:
         raise BadRequestError("'model' is required")
     t0 = time.perf_counter()
-    loaded_before = st.manager.resolve(name)[0] in st.manager.loaded
+    loaded_before = (await st.manager.resolve(name))[0] in st.manager.loaded
     model = await st.manager.get(name, b.get("keep_alive"))
     return name, model, 0 if loaded_before else int((time.perf_counter() - t0) * 1e9)
 
@@ -169,7 +169,7 @@ async def generate(request: Request):
 async def tags(request: Request):
     st = state(request)
     out = []
-    for name, path in await asyncio.to_thread(st.manager.available):
+    for name, path in await st.manager.available():
         try:
             d = await asyncio.to_thread(describe, name, path)
         except Exception:  # an unreadable file is left out of the list, not a failed listing
@@ -186,7 +186,7 @@ async def show(request: Request):
     name = b.str("model") or b.str("name")
     if not name:
         raise BadRequestError("'model' is required")
-    display, path = st.manager.resolve(name)
+    display, path = await st.manager.resolve(name)
     loaded = st.manager.loaded.get(display)
     d = await asyncio.to_thread(describe, name, path, loaded.engine if loaded else None)
     arch = d.architecture

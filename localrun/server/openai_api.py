@@ -200,7 +200,7 @@ async def completions(request: Request):
 async def list_models(request: Request):
     st = state(request)
     now = int(time.time())
-    data = [{"id": name, "object": "model", "created": now, "owned_by": "localrun"} for name, _ in st.manager.available()]
+    data = [{"id": name, "object": "model", "created": now, "owned_by": "localrun"} for name, _ in await st.manager.available()]
     return JSONResponse({"object": "list", "data": data})
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import sys
+import logging
 import time
-import traceback
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -21,6 +20,7 @@ from .http import error_response, read_json
 from .models import Loaded, ModelManager
 
 ROUTES: list[Route] = []
+log = logging.getLogger("localrun.server")
 
 
 @dataclass
@@ -50,9 +50,9 @@ def route(method: str, path: str):
                 return error_response(request.url.path, exc.http_status, str(exc))
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a bug: say so, keep serving
-                traceback.print_exc(file=sys.stderr)
-                return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
+            except Exception:  # a bug: say so, keep serving; its text may hold anything, so only the log gets it
+                log.exception("internal error in %s %s", request.method, request.url.path)
+                return error_response(request.url.path, 500, "internal error (see the server log)")
 
         ROUTES.append(Route(path, endpoint, methods=[method]))
         return handler
