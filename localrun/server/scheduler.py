@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import sys
+import logging
 import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +27,14 @@ from ..engine import Engine, Generation
 from ..errors import LocalrunError
 from ..request import GenerationRequest
 from .indent import IndentLimit
+
+
+log = logging.getLogger("localrun.server")
+
+# How long stop() waits for the scheduler thread. A step is bounded (prompt chunks are
+# sized to ~0.15 s, a decode in flight is interrupted), so the thread normally ends at
+# once; this bounds shutdown even when it does not.
+STOP_WAIT_S = 3.0
 
 
 class QueueFullError(LocalrunError):
@@ -119,6 +126,9 @@ class Scheduler:
         self._active: list[Job] = []
         self._calls: deque[tuple] = deque()  # work that must run on the engine's thread
         self._cv = threading.Condition()
+        # ids of the jobs in the step being decoded now: a hang-up interrupts that decode
+        # only if it holds the job, never another client's step
+        self._in_flight: set[int] = set()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"localrun-scheduler {name}", daemon=True)
         self._thread.start()
@@ -149,10 +159,11 @@ class Scheduler:
     def cancel(self, job: Job) -> None:
         job.cancel()
         with self._cv:
-            running = job in self._active
+            # stop the decode it is part of now, not after its (maybe long) chunk; under
+            # the lock, so the step's end (which withdraws a late interrupt) cannot pass
+            if job.id in self._in_flight:
+                self.engine.backend.interrupt()
             self._cv.notify()
-        if running:  # stop the decode it is part of now, not after its (maybe long) chunk
-            self.engine.backend.interrupt()
 
     @property
     def busy(self) -> bool:
@@ -182,12 +193,25 @@ class Scheduler:
             )
         return out
 
-    def stop(self) -> None:
-        """Finish: fail whatever waits or runs, end the thread (the engine is closed by the caller)."""
+    def request_stop(self) -> None:
+        """Begin finishing without waiting: interrupt the decode in flight; the thread
+        then fails whatever waits or runs (their streams end) and exits."""
         with self._cv:
             self._stopped = True
+            if self._in_flight:
+                self.engine.backend.interrupt()
             self._cv.notify()
-        self._thread.join(timeout=30)
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> bool:
+        """request_stop(), then wait up to wait_s for the thread. True once it has exited;
+        only then may the caller free the engine (a decode may still run on it otherwise)."""
+        self.request_stop()
+        self._thread.join(timeout=wait_s)
+        return self.exited
+
+    @property
+    def exited(self) -> bool:
+        return not self._thread.is_alive()
 
     # -- the scheduler thread ------------------------------------------------------
 
@@ -208,13 +232,21 @@ class Scheduler:
                 active = list(self._active)
             if not active:
                 continue
+            with self._cv:
+                self._in_flight = {job.id for job in active}
             try:
                 self._step(active)
             except Exception as exc:  # a backend failure ends these requests, not the server
-                traceback.print_exc(file=sys.stderr)
+                log.exception("generation failed on %s", self._thread.name)
+                reason = str(exc) if isinstance(exc, LocalrunError) else "internal error, see the server log"
                 with self._cv:
                     for job in active:
-                        self._end(job, LocalrunError(f"generation failed: {exc}"))
+                        self._end(job, LocalrunError(f"generation failed: {reason}"))
+            finally:
+                with self._cv:
+                    self._in_flight = set()
+                    # an interrupt that arrived after the decode ended was meant for it
+                    self.engine.backend.clear_interrupt()
         with self._cv:
             for job in list(self._waiting) + self._active:
                 self._end(job, QueueFullError("the model was unloaded; retry the request"))
@@ -236,8 +268,8 @@ class Scheduler:
                 job.gen = self.engine.start(job.tokens, job.request)
             except Exception as exc:  # refuse this request; the others go on
                 if not isinstance(exc, LocalrunError):
-                    traceback.print_exc(file=sys.stderr)
-                    exc = LocalrunError(f"could not start the generation: {exc}")
+                    log.exception("could not start a generation")
+                    exc = LocalrunError("could not start the generation (internal error, see the server log)")
                 job.post(exc)
                 job.post(END)
                 continue
