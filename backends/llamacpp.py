@@ -184,8 +184,10 @@ class LlamaCppBackend:
         self._devices = rpc.device_array(placement.devices)
         # llama.cpp copies llama_max_devices() floats from tensor_split
         self._split = (ctypes.c_float * _lc.llama_max_devices())(*placement.split)
+        self._overrides = rpc.head_override(placement)
         mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         mparams.tensor_split = self._split
+        mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         mparams.n_gpu_layers = placement.n_gpu_layers
         mparams.split_mode = _lc.LLAMA_SPLIT_MODE_LAYER
         _log.info("%s over RPC workers: %s", Path(path).name, placement.describe())
