@@ -32,7 +32,7 @@ import os
 import socket
 import struct
 from bisect import bisect_right
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from localrun.errors import BadRequestError, LocalrunError
 
@@ -183,41 +183,52 @@ class _Ggml:
     """The ggml functions this module calls, from the libraries llama_cpp loaded."""
 
     def __init__(self) -> None:
-        import llama_cpp
         from llama_cpp import llama_cpp as low
 
-        self.llama = llama_cpp
-        libs = []
-        for name in ("ggml", "ggml-base"):
-            try:
-                from llama_cpp._ctypes_extensions import load_shared_library
-
-                libs.append(load_shared_library(name, low._base_path))
-            except Exception:  # an older layout: dlsym on libllama finds its dependencies' symbols
-                libs.append(low._lib)
-        ggml, base = libs
+        # The symbols are looked up through libllama's own handle: dlsym searches its
+        # dependencies, so they come from the very libggml copies llama.cpp uses. (The
+        # wheel ships libggml-base.so, .so.0 and .so.0.x as separate files: opening one by
+        # path could load a second, separate copy with its own registry and abort hook.)
+        # Windows looks in one DLL only: there the ggml DLLs are opened by name.
+        self._libs = [low._lib]
+        self._base_path = low._base_path
         P, S, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
 
-        def fn(lib, name, restype, *argtypes):
-            f = getattr(lib, name)
+        def fn(name, restype, *argtypes):
+            f = self._find(name)
             f.restype, f.argtypes = restype, list(argtypes)
             return f
 
-        self.reg_by_name = fn(ggml, "ggml_backend_reg_by_name", P, C)
-        self.reg_proc = fn(ggml, "ggml_backend_reg_get_proc_address", P, P, C)
-        self.register = fn(ggml, "ggml_backend_register", None, P)
-        self.reg_name = fn(base, "ggml_backend_reg_name", C, P)
-        self.reg_dev_count = fn(base, "ggml_backend_reg_dev_count", S, P)
-        self.reg_dev_get = fn(base, "ggml_backend_reg_dev_get", P, P, S)
-        self.dev_count = fn(ggml, "ggml_backend_dev_count", S)
-        self.dev_get = fn(ggml, "ggml_backend_dev_get", P, S)
-        self.dev_name = fn(base, "ggml_backend_dev_name", C, P)
-        self.dev_description = fn(base, "ggml_backend_dev_description", C, P)
-        self.dev_memory = fn(base, "ggml_backend_dev_memory", None, P, ctypes.POINTER(S), ctypes.POINTER(S))
-        self.dev_type = fn(base, "ggml_backend_dev_type", ctypes.c_int, P)
-        self.dev_reg = fn(base, "ggml_backend_dev_backend_reg", P, P)
+        self.reg_by_name = fn("ggml_backend_reg_by_name", P, C)
+        self.reg_proc = fn("ggml_backend_reg_get_proc_address", P, P, C)
+        self.register = fn("ggml_backend_register", None, P)
+        self.reg_name = fn("ggml_backend_reg_name", C, P)
+        self.reg_dev_count = fn("ggml_backend_reg_dev_count", S, P)
+        self.reg_dev_get = fn("ggml_backend_reg_dev_get", P, P, S)
+        self.dev_count = fn("ggml_backend_dev_count", S)
+        self.dev_get = fn("ggml_backend_dev_get", P, S)
+        self.dev_name = fn("ggml_backend_dev_name", C, P)
+        self.dev_description = fn("ggml_backend_dev_description", C, P)
+        self.dev_memory = fn("ggml_backend_dev_memory", None, P, ctypes.POINTER(S), ctypes.POINTER(S))
+        self.dev_type = fn("ggml_backend_dev_type", ctypes.c_int, P)
+        self.dev_reg = fn("ggml_backend_dev_backend_reg", P, P)
+        self.dev_by_type = fn("ggml_backend_dev_by_type", P, ctypes.c_int)
+        self.dev_buffer_type = fn("ggml_backend_dev_buffer_type", P, P)
         self.abort_callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-        self.set_abort_callback = fn(base, "ggml_set_abort_callback", P, self.abort_callback_type)
+        self.set_abort_callback = fn("ggml_set_abort_callback", P, self.abort_callback_type)
+
+    def _find(self, name: str):
+        for lib in self._libs:
+            try:
+                return lib[name]  # a function object of our own: llama_cpp's prototypes stay as they are
+            except AttributeError:
+                continue
+        if len(self._libs) == 1:  # Windows: open ggml's DLLs by name (the loaded ones)
+            from llama_cpp._ctypes_extensions import load_shared_library
+
+            self._libs += [load_shared_library(n, self._base_path) for n in ("ggml", "ggml-base")]
+            return self._find(name)
+        raise AttributeError(f"{name} is not in this llama-cpp-python's libraries")
 
     def memory(self, dev: int) -> tuple[int, int]:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
@@ -292,13 +303,12 @@ class Worker:
         return sum(d.free for d in self.devices)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Cluster:
     """The workers this process uses (registration in llama.cpp is process-wide)."""
 
     workers: tuple[Worker, ...]
     tensor_split: tuple[float, ...] | None = None  # this machine, then each worker
-    probes: dict[str, Hello] = field(default_factory=dict)
 
 
 _ACTIVE: Cluster | None = None
@@ -346,7 +356,7 @@ def connect(endpoints: list[Endpoint], tensor_split: tuple[float, ...] | None = 
             free, total = g.memory(dev)
             devs.append(Device(dev, (g.dev_name(dev) or b"?").decode(), key, free, total))
         workers.append(Worker(ep, hellos[key], tuple(devs)))
-    cluster = Cluster(tuple(workers), tensor_split, hellos)
+    cluster = Cluster(tuple(workers), tensor_split)
     if activate:
         _ACTIVE = cluster
     return cluster
@@ -418,7 +428,7 @@ class Placement:
         return rows
 
     def describe(self) -> str:
-        return ", ".join(f"{who}: {n} layers" for who, n in self.layer_counts())
+        return ", ".join(f"{who}: {n} layers" for who, n in self.layer_counts()) + "; output head: this machine"
 
 
 def plan(n_layer: int, workers: tuple[Worker, ...], gpus: list[Device], local_free: int,
@@ -458,6 +468,25 @@ def placement_for(cluster: Cluster, n_layer: int) -> Placement:
     return plan(n_layer, workers, local_gpus(), local_free_ram(), cluster.tensor_split)
 
 
+class _BuftOverride(ctypes.Structure):  # llama_model_tensor_buft_override
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+# The output norm and head, and the token embeddings a tied head is a copy of (the input
+# copy stays on this machine anyway).
+HEAD_TENSORS = rb"^(output|output_norm|token_embd)\."
+
+
+def head_override(placement: Placement) -> ctypes.Array:
+    """tensor_buft_overrides for llama_model_params that keep the output head on this
+    machine (its first GPU, else its CPU). llama.cpp would put it on the last device, and
+    the logits (n_vocab floats: 196 KB a token for SmolLM2, 1 MB for Gemma-3) would then
+    cross the network every token instead of one hidden state (n_embd floats)."""
+    g = ggml()
+    local = next((d.handle for d in placement.devices if d.endpoint is None), None) or g.dev_by_type(DEV_CPU)
+    return (_BuftOverride * 2)(_BuftOverride(HEAD_TENSORS, g.dev_buffer_type(local)), _BuftOverride(None, None))
+
+
 def device_array(devices) -> ctypes.Array:
     """A NULL-terminated ggml_backend_dev_t array for llama_model_params.devices."""
     handles = [d.handle if isinstance(d, Device) else d for d in devices]
@@ -494,6 +523,16 @@ def _terminal_restorer():
     return restore
 
 
+def _accepts(endpoint: str, timeout: float = 0.5) -> bool:
+    """Whether something still accepts connections at host:port (a dead worker's port refuses)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def abort_message(message: str, hellos: dict[str, Hello]) -> str | None:
     """The one line to print for a GGML_ABORT raised by the RPC client; None for others."""
     if "ggml-rpc" not in message:
@@ -506,7 +545,9 @@ def abort_message(message: str, hellos: dict[str, Hello]) -> str | None:
         if ep in text:
             return f"lost the RPC worker at {ep} ({text}); check that it still runs and is reachable"
     if "Remote RPC server crashed" in text:
-        return ("an RPC worker stopped answering (it was stopped, crashed or the network dropped); this process"
+        gone = [ep for ep in hellos if not _accepts(ep)]
+        who = f"the RPC worker at {', '.join(gone)}" if gone else "an RPC worker"
+        return (f"{who} stopped answering (it was stopped, crashed or the network dropped); this process"
                 " cannot go on without its layers: restart the worker and run again")
     return f"llama.cpp's RPC client stopped: {text}"
 

@@ -86,6 +86,13 @@ def fit_workers(args) -> list[tuple[str, int]]:
     return [(str(w.endpoint), w.free) for w in cluster.workers]
 
 
+def with_workers(args, budget):
+    """(the budget plus the --rpc workers' free memory, [(endpoint, free)]): what `fit` and
+    `pull` choose a quant for; the budget unchanged without --rpc."""
+    workers = fit_workers(args)
+    return (budget.plus_workers([free for _, free in workers]) if workers else budget), workers
+
+
 def print_fit_split(args, shape, est, workers: list[tuple[str, int]], local_free: int, out=None) -> bool:
     """The per-device lines of `fit --rpc` for the picked estimate; False when a device
     cannot hold its part."""
@@ -173,7 +180,7 @@ def cmd_rpc_worker(args) -> int:
     import threading
 
     from localrun import rpc
-    from localrun.backends.llamacpp import default_threads
+    from localrun.hardware import inference_threads
 
     _check_bind(args.host, args.port)
     if not rpc.is_loopback(args.host):
@@ -182,7 +189,7 @@ def cmd_rpc_worker(args) -> int:
                                   " which has no authentication: add --allow-network if this is a LAN or VPN you"
                                   " trust (the default 127.0.0.1 serves this machine only)")
         print(rpc.NETWORK_WARNING, file=sys.stderr)
-    threads = args.threads or default_threads()
+    threads = args.threads or inference_threads()
     if threads < 1:
         raise BadRequestError(f"--threads must be at least 1, got {threads}")
     if args.mem is not None and args.mem < 1:
@@ -245,4 +252,4 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_rpc_worker)
 
 
-__all__ = ["add_commands", "add_rpc_flags", "apply_rpc_flags", "fit_workers", "print_fit_split"]
+__all__ = ["add_commands", "add_rpc_flags", "apply_rpc_flags", "fit_workers", "print_fit_split", "with_workers"]

@@ -68,10 +68,6 @@ class ModelShape:
     layer_share: tuple[float, ...]  # each block's share of the weight bytes
     backend: str  # "llama.cpp" | "mlx"
     repack_share: float = 0.0  # share of the weight bytes the CPU backend copies into repacked form
-    # The output head's share of the weight bytes; with tied embeddings (no output.weight)
-    # the token embedding's, which llama.cpp loads a second time on the output layer's device.
-    output_share: float = 0.0
-    output_tied: bool = False
 
 
 def _per_layer(value, n: int) -> tuple[int, ...]:
@@ -110,13 +106,9 @@ def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
     else:
         swa = (False,) * n_layer
     per_layer = [0] * n_layer
-    total = repacked = output = embedding = 0
+    total = repacked = 0
     for t in tensors:
         total += t.nbytes
-        if t.name.startswith("output.") or t.name.startswith("output_norm."):
-            output += t.nbytes
-        elif t.name == "token_embd.weight":
-            embedding = t.nbytes
         if t.ggml_type in REPACKED_TYPES and t.name.startswith("blk."):
             repacked += t.nbytes
         if t.name.startswith("blk."):
@@ -124,11 +116,9 @@ def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
             if idx.isdigit() and int(idx) < n_layer:
                 per_layer[int(idx)] += t.nbytes
     share = tuple(b / total for b in per_layer) if total else (1.0 / n_layer,) * n_layer
-    tied = not any(t.name == "output.weight" for t in tensors)
-    head = (embedding if tied else output) / total if total else 0.0
     return ModelShape(arch, n_layer, int(key("context_length", 4096) or 4096), n_embd, n_ff, n_vocab,
                       kv_heads, head_k, head_v, swa, int(window) if window else None, share, "llama.cpp",
-                      repacked / total if total else 0.0, head, tied)
+                      repacked / total if total else 0.0)
 
 
 def shape_from_mlx_config(config: dict) -> ModelShape:
@@ -425,7 +415,7 @@ def split_estimate(shape: ModelShape, est: Estimate, local_free: int, workers: l
                    tensor_split: tuple[float, ...] | None = None) -> list[DeviceShare]:
     """Each machine's part of `est` when its layers are split as the llama.cpp backend
     splits them (localrun.rpc.plan: by free memory, or --tensor-split; this machine keeps
-    the first layers and the token embeddings, the last device the output head)."""
+    the first layers, the token embeddings and the output head: rpc.head_override)."""
     from localrun import rpc
 
     fake = tuple(rpc.Worker(rpc.Endpoint(name.rpartition(":")[0], int(name.rpartition(":")[2] or 0)), rpc.Hello(None),
@@ -440,15 +430,13 @@ def split_estimate(shape: ModelShape, est: Estimate, local_free: int, workers: l
         weights[h] += est.weights * shape.layer_share[il]
         kv[h] += kv_layers[il]
         layers[h] += 1
-    rest = 1.0 - sum(shape.layer_share) - (0.0 if shape.output_tied else shape.output_share)
-    weights[0] += est.weights * max(0.0, rest)  # token embeddings (the input layer stays here) and norms
-    out_holder = owners[-1] + 1
-    if not shape.output_tied or out_holder != 0:  # a tied head is a second copy away from this machine
-        weights[out_holder] += est.weights * shape.output_share
-    per_device = compute_bytes(shape, est.n_ctx, on_gpu=False)
+    # token embeddings, norms and the output head (a tied head maps the same file bytes)
+    weights[0] += est.weights * max(0.0, 1.0 - sum(shape.layer_share))
+    buffers = [compute_bytes(shape, est.n_ctx, on_gpu=False)] * len(holders)  # activations; logits stay here
+    buffers[0] += est.overhead
     frees = [local_free] + [free for _, free in workers]
-    return [DeviceShare(holders[i], layers[i], int(weights[i]), int(kv[i]),
-                        per_device + (est.overhead if i == 0 else 0), frees[i]) for i in range(len(holders))]
+    return [DeviceShare(holders[i], layers[i], int(weights[i]), int(kv[i]), buffers[i], frees[i])
+            for i in range(len(holders))]
 
 
 def fit_verdict(path: Path, n_ctx: int | None = None, kv_type: str = "f16", budget: Budget | None = None) -> str:

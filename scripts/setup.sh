@@ -33,8 +33,17 @@ fi
 VPY="$VENV/bin/python"
 "$VPY" -m pip install --quiet --upgrade pip setuptools wheel
 
-# The installed llama-cpp-python is the one this script builds: its version, RPC, no AMX.
+key=$(printf '%s|%s|%s|%s' "$LLAMA_CPP_PYTHON" "$LLAMA_CMAKE_ARGS" "$LLAMA_CFLAGS" "$LLAMA_CXXFLAGS" \
+      | "$VPY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
+stamp="$VENV/.llama-cpp-python-build"  # the flags key of the build installed here
+
+# The installed llama-cpp-python is the one this script builds: its version, RPC, no AMX,
+# and built with these flags (another CMAKE_ARGS, e.g. CUDA, rebuilds).
 right_build() {
+  local stamped
+  stamped=$(cat "$stamp" 2>/dev/null || true)
+  [ -z "$stamped" ] || [ "$stamped" = "$key" ] || return 1
+  [ -n "$stamped" ] || [ -z "${CMAKE_ARGS:-}" ] || return 1  # an unstamped venv passes with default flags only
   "$VPY" - "$LLAMA_CPP_PYTHON" <<'EOF' 2>/dev/null
 import sys
 import llama_cpp
@@ -44,8 +53,6 @@ EOF
 }
 
 if ! right_build; then
-  key=$(printf '%s|%s|%s|%s' "$LLAMA_CPP_PYTHON" "$LLAMA_CMAKE_ARGS" "$LLAMA_CFLAGS" "$LLAMA_CXXFLAGS" \
-        | "$VPY" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
   wheels="${XDG_CACHE_HOME:-$HOME/.cache}/localrun/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON-$key"
   if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "building llama-cpp-python $LLAMA_CPP_PYTHON with CMAKE_ARGS='$LLAMA_CMAKE_ARGS'" \
@@ -57,12 +64,15 @@ if ! right_build; then
     rm -rf "$wheels" && mv "$wheels.partial" "$wheels"  # a build cut short leaves no wheel behind
   fi
   "$VPY" -m pip install --quiet --no-deps --force-reinstall "$wheels"/llama_cpp_python-*.whl
+  echo "$key" > "$stamp"
 fi
 "$VPY" -m pip install --quiet -e '.[test]'
 if ! right_build; then
+  rm -f "$stamp"
   echo "error: llama-cpp-python in $VENV is not the RPC build (or has AMX) after the install; remove" \
        "${XDG_CACHE_HOME:-$HOME/.cache}/localrun/wheels and run scripts/setup.sh again" >&2
   exit 1
 fi
+echo "$key" > "$stamp"
 "$VPY" scripts/fetch_test_models.py >/dev/null
 "$VPY" scripts/fetch_grammars.py >/dev/null

@@ -233,15 +233,3 @@ def test_budget_plus_workers_adds_their_memory_to_the_ram_side():
     b = Budget(8 * GIB, 0, False, "probed").plus_workers([4 * GIB, 2 * GIB])
     assert b.ram == 14 * GIB and b.vram == 0 and "2 RPC workers" in b.source
 
-
-def test_gguf_shape_knows_its_output_head(smollm2_gguf):
-    """SmolLM2 ties its output head to the token embeddings: llama.cpp loads that tensor a
-    second time on the device of the output layer."""
-    from localrun.gguf_check import check_gguf
-
-    shape = model_shape(smollm2_gguf)
-    summary = check_gguf(smollm2_gguf)
-    sizes = {t.name: t.nbytes for t in summary.tensors}
-    assert "output.weight" not in sizes and shape.output_tied
-    assert shape.output_share == pytest.approx(sizes["token_embd.weight"] / sum(sizes.values()))
-    assert 0.99 < sum(shape.layer_share) + shape.output_share <= 1.0  # the rest: the final norm
