@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import contextvars
 import logging
 import os
@@ -39,6 +40,7 @@ from .scheduler import QueueFullError, Scheduler
 log = logging.getLogger("localrun.server")
 
 DEFAULT_KEEP_ALIVE = 300.0
+MAX_KEEP_ALIVE_CHARS = 64  # "1h30m" is 5; a duration string has no reason to be long
 REAP_GRACE_S = 2.0
 STORE_TTL_S = 5.0  # how long a listing of the installed models is reused
 FOUND_CACHE_MAX = 1024  # store names resolved per listing
@@ -56,6 +58,10 @@ def parse_keep_alive(value) -> float | None:
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str):
+        if len(value) > MAX_KEEP_ALIVE_CHARS:
+            raise BadRequestError(
+                f"'keep_alive' must be a duration such as \"5m\" (at most {MAX_KEEP_ALIVE_CHARS} characters)"
+            )
         text = value.strip()
         try:
             seconds = float(text)
@@ -68,7 +74,9 @@ def parse_keep_alive(value) -> float | None:
             seconds = sum(float(n) * _UNITS[u] for n, u in parts)
     else:
         raise BadRequestError(f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}")
-    return None if seconds < 0 else seconds
+    if math.isnan(seconds):
+        raise BadRequestError(f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}")
+    return None if seconds < 0 or math.isinf(seconds) else seconds  # "inf" keeps it, as -1 does
 
 
 def display_name(path: str) -> str:

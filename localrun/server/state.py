@@ -60,12 +60,17 @@ def route(method: str, path: str):
     return wrap
 
 
+MAX_EMBED_INPUTS = 2048  # OpenAI's limit on `input` items
+
+
 async def embed_inputs(model: Loaded, b: Body, key: str) -> tuple[list[list[float]], int]:
     """Embeddings of a body's string or list of strings (OpenAI `input`, Ollama `input`)."""
     raw = b.get(key)
     texts = [raw] if isinstance(raw, str) else raw
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise BadRequestError(f"'{key}' must be a string or a non-empty list of strings")
+    if len(texts) > MAX_EMBED_INPUTS:
+        raise BadRequestError(f"'{key}' holds {len(texts)} texts; at most {MAX_EMBED_INPUTS} per request")
     eng = model.engine
     token_lists = await asyncio.to_thread(lambda: [eng.tokenize(t) for t in texts])
     for i, toks in enumerate(token_lists):
@@ -73,5 +78,6 @@ async def embed_inputs(model: Loaded, b: Body, key: str) -> tuple[list[list[floa
             raise BadRequestError(f"'{key}[{i}]' is empty")
         if len(toks) > eng.n_ctx:
             raise BadRequestError(f"'{key}[{i}]' has {len(toks)} tokens; the context holds {eng.n_ctx}")
-    vectors = await model.scheduler.call(lambda: [eng.backend.embed(t).tolist() for t in token_lists])
+    # one text per call: the streams on this model take their steps between two texts
+    vectors = [await model.scheduler.call(lambda t=t: eng.backend.embed(t).tolist()) for t in token_lists]
     return vectors, sum(len(t) for t in token_lists)
