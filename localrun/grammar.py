@@ -2,6 +2,7 @@
 
     tok = build_tokenizer(backend)                 # once per model; cached
     g = Grammar.from_json_schema({"type": "object"})  # or from_gbnf / from_regex / ...
+    g.compile(tok)                                 # optional: where blocking is fine
     m = GrammarMatcher(g, tok)                     # one per generation
     row = m.apply(row)                             # disallowed tokens -> -inf
     m.accept(token)                                # after sampling
@@ -15,15 +16,25 @@ backend seam (`token_bytes`, `is_control`) and is the same for llama.cpp and MLX
 A `Grammar` is tokenizer-free and validated when made, so a bad grammar fails before
 any model work, as `BadRequestError` with one line naming line and column where the
 source gives them. A `GrammarMatcher` holds per-generation state.
+
+Bounded work: a grammar comes from a request, so every step is bounded before it runs.
+Sources are size-capped (MAX_* below) before any parsing; the GBNF pre-processing here is
+linear; llguidance compiles under `LLParserLimits` (LEXER_FUEL ...) on a compile thread with a
+deep stack, and its lazily built lexer is tried once on a byte vocabulary while validating,
+so a regex that blows the budget is refused then, not in the middle of a generation.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import threading
 import weakref
-from dataclasses import dataclass
-from typing import Any, Sequence
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -31,7 +42,7 @@ from .errors import BadRequestError
 
 try:
     import llguidance as _llg
-    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+    from llguidance.gbnf_to_lark import GbnfToLarkError, GrammarParser, RuleRefNode, resolve
 except ImportError as exc:  # pragma: no cover - depends on the install
     _llg = None
     _IMPORT_ERROR = exc
@@ -41,6 +52,44 @@ def _need_llg():
     if _llg is None:
         raise BadRequestError(f"grammars need llguidance ({_IMPORT_ERROR}); run: pip install llguidance")
     return _llg
+
+
+# -- limits ---------------------------------------------------------------------------
+# Sizes are checked before any parsing. Real grammars sit far below them (llama.cpp's
+# example grammars are 0.1-1.4 KiB); each cap is where the worst input of that size still
+# validates in well under a second here (numbers in tests/test_grammar_limits.py).
+
+MAX_GRAMMAR_BYTES = 128 * 1024  # GBNF or Lark source, UTF-8
+MAX_REGEX_BYTES = 16 * 1024  # a `regex` constraint (a JSON schema's `pattern`s count in the schema)
+MAX_SCHEMA_BYTES = 256 * 1024  # a JSON schema, serialized
+MAX_SCHEMA_DEPTH = 100  # nested JSON objects/arrays in a schema (llguidance's parser stops at 128)
+
+# llguidance's own budget (LLParserLimits; its unit of lexer work is "fuel"). The lexer
+# is built lazily, at the first mask: validation builds it once on a byte vocabulary, so a
+# grammar over LEXER_FUEL is refused then. With forcing off (_NO_FORCING below) nested
+# repeats such as `a{1000}{1000}` cost ~0.1 ms a mask; the largest enum the size caps admit
+# (20,000 entries, 250 KiB) validates in ~0.2 s at LEXER_FUEL.
+LEXER_FUEL = 1_000_000  # building the lexer (~50k/ms): llguidance's default
+STEP_LEXER_FUEL = 200_000  # lexer work per mask (~14 ms): llguidance's default
+STEP_MAX_ITEMS = 50_000  # Earley items per mask (~2.5 ms): llguidance's default
+MAX_LEXER_STATES = 50_000  # lexer states a compiled grammar may build, ~1-2 KiB each (default 250,000)
+
+# llguidance's compiler recurses once per rule reference (a chain `a: b`, `b: c`, ... or
+# of JSON-schema `$ref`s), using ~3 KiB of stack per level: a default 8 MiB thread stack
+# overflows (a segfault: the whole server dies) near 2,800 levels, which 30 KiB of
+# grammar reaches. Compiles run on threads with this stack instead; the largest chain the
+# size caps admit (~15,000 levels) needs ~45 MiB. Address space only: pages are touched
+# only as deep as a compile goes.
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
+COMPILE_THREADS = 2
+
+# llguidance "forces" text a grammar fixes: while one byte is possible it walks ahead and
+# lets the model take only that text's canonical tokens. The walk has no limit: `R{10000}`
+# with `R: /[a]{10000}/` (35 bytes) walks 10^8 bytes per mask, 2.9 s and 1.6 GB, on the
+# decode thread. Every grammar here turns it off: each tokenization of fixed text is then
+# allowed, as in llama.cpp's own grammar sampler, and as `GrammarMatcher.allows` (the
+# engine's fast path, which never tokenizes forced text) accepted already.
+_NO_FORCING = '%llguidance {"no_forcing": true}\n'
 
 
 # -- tokenizer ------------------------------------------------------------------------
@@ -109,6 +158,96 @@ def build_tokenizer(backend, special_names: dict[int, str] | None = None):
     return tok
 
 
+# -- compiling within the budget ------------------------------------------------------
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _limits():
+    return _need_llg().LLParserLimits(
+        initial_lexer_fuel=LEXER_FUEL, step_lexer_fuel=STEP_LEXER_FUEL, step_max_items=STEP_MAX_ITEMS,
+        max_lexer_states=MAX_LEXER_STATES,
+    )
+
+
+def _on_compile_thread(fn: Callable, *args):
+    """fn(*args) on a thread with a COMPILE_STACK_BYTES stack; its result or its exception.
+    The caller blocks meanwhile (llguidance releases the GIL while it compiles)."""
+    global _pool
+    if threading.current_thread().name.startswith("grammar-compile"):
+        return fn(*args)
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        # the stack size is a process-wide setting read when a thread starts, and the pool
+        # starts its threads inside submit(): set it only around that call
+        before = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            future = _pool.submit(fn, *args)
+        finally:
+            threading.stack_size(before)
+    return future.result()
+
+
+class _ByteVocab:
+    """256 one-byte tokens and an EOS: spells any text, to try a grammar without a model."""
+
+    tokens, special_token_ids, eos_token_id, bos_token_id = [bytes([b]) for b in range(256)] + [b""], [256], 256, None
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+@functools.cache
+def _byte_tokenizer():
+    llg = _need_llg()
+    return llg.LLTokenizer(llg.TokenizerWrapper(_ByteVocab()), n_vocab=257, eos_token=[256])
+
+
+# `<|name|>` and `<[id]>` name tokens of a model's vocabulary, which the byte probe lacks
+_TOKEN_REF = re.compile(r"<\[|<\|")
+
+
+def _compile_error(spec: str, probe: bool) -> str:
+    """"" when llguidance compiles `spec` within the limits, else its error. With `probe`,
+    also take two steps on the byte vocabulary: llguidance builds its lexer and first
+    Earley rows lazily, so a grammar over LEXER_FUEL or a row limit, or one that matches
+    no text, fails here rather than at the first decode step of a generation."""
+    llg = _llg
+    err = llg.LLMatcher.validate_grammar(spec, limits=_limits())
+    if err or not probe:
+        return err
+    m = llg.LLMatcher(_byte_tokenizer(), spec, log_level=0, limits=_limits())
+    for step in range(2):
+        mask = m.compute_bitmask()
+        if m.is_error():
+            err = m.get_error()
+            # nothing allowed, EOS included, before any text: no finite text fits
+            return "the grammar matches no text" if step == 0 and err.startswith("NoExtension") else err
+        bytes_allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[:256])
+        if not bytes_allowed.size:  # only EOS: the grammar is complete
+            return ""
+        m.consume_token(int(bytes_allowed[0]))
+    return m.get_error()
+
+
+def _budget_hint(err: str) -> str:
+    """What to do, when llguidance's error is one of its limits."""
+    if re.search(r"too (big|many|complex)|fuel|limit", _first_line(err), re.I):
+        return (f" (over localrun.grammar's compile limits, such as LEXER_FUEL={LEXER_FUEL:,}:"
+                " use fewer alternatives or smaller nested repeat counts)")
+    return ""
+
+
+def _check_size(text: str, limit: int, what: str, constant: str) -> None:
+    n = len(text)
+    if n * 4 > limit:  # a character is at most 4 UTF-8 bytes: count only when it matters
+        n = len(text.encode("utf-8", "replace"))
+    if n > limit:
+        raise BadRequestError(f"the {what} is {n:,} bytes; the limit is {limit:,} ({constant}): shorten it")
+
+
 # -- grammar sources --------------------------------------------------------------------
 
 _AT = re.compile(r"^(?:at )?(\d+)\((\d+)\): ")  # llguidance's Lark error prefix: line(column)
@@ -146,23 +285,64 @@ def _line_col(text: str, offset: int) -> tuple[int, int]:
     return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
 
 
+# the body of a "literal" or a [class]: escaped pairs and plain characters, possessive
+# (nothing after it can make it give characters back)
+_BODY = {'"': re.compile(r'(?:\\.|[^"\\])*+'), "[": re.compile(r"(?:\\.|[^\]\\])*+")}
+_CLOSER = {'"': '"', "[": "]"}
+_OPENER = re.compile(r'["\[#]')
+
+
 def _blank_quoted(text: str) -> str:
-    """GBNF text with literals, char classes and comments blanked (same offsets), so a
-    search for a rule name finds references, not strings that happen to spell it."""
-    return re.sub(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*', lambda m: " " * len(m.group()), text)
+    r"""GBNF text with literals, char classes and comments blanked (same offsets), so a
+    search for a rule name finds references, not strings that happen to spell it.
+
+    One pass: what the regex `"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*` matches, each
+    match blanked, where re.sub on that regex is quadratic on unclosed openers (it rescans
+    to the end from each of 40,000 `[`: 60-90 s here). A body that cannot close fails at the same
+    place f (the end, or a backslash before a newline) from every opener of its kind
+    before f, as all of them read the same escape pairs from there on; so once one fails,
+    the others up to f are skipped, and every character is scanned at most once per kind.
+    """
+    pieces: list[str] = []
+    done = pos = 0
+    fails_before = {'"': 0, "[": 0}  # an opener of this kind before here cannot close
+    while (m := _OPENER.search(text, pos)) is not None:
+        start, kind = m.start(), m.group()
+        if kind == "#":
+            end = text.find("\n", start)
+            end = len(text) if end < 0 else end
+        elif start < fails_before[kind]:
+            pos = start + 1
+            continue
+        else:
+            end = _BODY[kind].match(text, start + 1).end()
+            if not text.startswith(_CLOSER[kind], end):
+                fails_before[kind] = end
+                pos = start + 1
+                continue
+            end += 1
+        pieces += (text[done:start], " " * (end - start))
+        done = pos = end
+    pieces.append(text[done:])
+    return "".join(pieces)
 
 
 _START_ALIAS = "st4rt"
+_START_REF = re.compile(r"(?<![\w-])start(?![\w-])")
+
+
+def _lark_rule_name(name: str) -> str:
+    """A GBNF rule's name as llguidance's converter writes it in Lark (lower case)."""
+    special = {"root": "start", "start": _START_ALIAS}.get(name)
+    return special or re.sub(r"([a-z])([A-Z])", r"\1_\2", name.replace("-", "_")).lower()
 
 
 def _gbnf_rules(text: str) -> dict[str, tuple[str, int]]:
     """Lark rule name (as llguidance's converter renames it, lower case) -> (GBNF name,
-    offset of its definition)."""
-    out = {}
+    offset of its definition). One scan of the text; each name converted once."""
+    out: dict[str, tuple[str, int]] = {}
     for m in re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", _blank_quoted(text)):
-        name = m.group(1)
-        lark = re.sub(r"([a-z])([A-Z])", r"\1_\2", name.replace("-", "_")).lower()
-        out.setdefault({"root": "start", "start": _START_ALIAS}.get(name, lark), (name, m.start(1)))
+        out.setdefault(_lark_rule_name(m.group(1)), (m.group(1), m.start(1)))
     return out
 
 
@@ -184,13 +364,58 @@ def _place_in_gbnf(text: str, lark: str, line: int, col: int) -> str:
     return f" at line {at_line}, column {at_col} (rule '{name}')"
 
 
+def _rename_start(text: str) -> str:
+    """The converter renames `root` to Lark's `start`: a user's own `start` becomes a
+    name of the same length first, so every error offset stays right. One pass."""
+    cuts = [m.start() for m in _START_REF.finditer(_blank_quoted(text))]
+    if not cuts:
+        return text
+    pieces, done = [], 0
+    for at in cuts:
+        pieces += (text[done:at], _START_ALIAS)
+        done = at + len("start")
+    pieces.append(text[done:])
+    return "".join(pieces)
+
+
+def _mark_terminal_rules(rules: dict) -> None:
+    """Set `rule_is_terminal` (the rule becomes a Lark token: it names only other such
+    rules and literals) where llguidance's `resolve` would, in linear time. `resolve`
+    re-walks every rule until a pass marks nothing; a chain of rules defined head first
+    marks one per pass, which is quadratic (4.7 s on 64 KiB). With every mark preset, its
+    first pass marks nothing and it stops. Same least fixpoint, so the same marks."""
+    users: dict[str, list[str]] = defaultdict(list)
+    waiting: dict[str, int] = {}  # rule -> names it uses that are not yet known terminal
+    for name, rule in rules.items():
+        used: set[str] = set()
+        stack = [rule.alternatives]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, RuleRefNode):
+                used.add(node.name)
+            else:
+                stack.extend(node.children())
+        waiting[name] = len(used)
+        for other in used:
+            users[other].append(name)
+    ready = [name for name, n in waiting.items() if n == 0]
+    while ready:
+        name = ready.pop()
+        if name == "root":  # becomes Lark's `start` rule, which is never a token
+            continue
+        rules[name].rule_is_terminal = True
+        for user in users[name]:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                ready.append(user)
+
+
 def _gbnf_to_lark(text: str) -> str:
-    # the converter renames `root` to Lark's `start`: rename a user's own `start` first,
-    # to a name of the same length so that every error offset stays right
-    for m in re.finditer(r"(?<![\w-])start(?![\w-])", _blank_quoted(text)):
-        text = text[: m.start()] + _START_ALIAS + text[m.end():]
+    text = _rename_start(text)
     try:
-        return gbnf_to_lark(text)
+        rules = GrammarParser().parse(text)
+        _mark_terminal_rules(rules)
+        resolve(rules)
     except GbnfToLarkError as exc:
         line, col = _line_col(exc.pos.text, exc.pos.pos)
         what = str(exc)[: -len(f" at {exc.pos}")] or str(exc)
@@ -199,6 +424,8 @@ def _gbnf_to_lark(text: str) -> str:
                     " write the grammar in Lark syntax (first line: %llguidance {}), where"
                     " <|name|>, <[id]> and <[^id]> work")
         raise BadRequestError(f"bad GBNF grammar at line {line}, column {col}: {what}") from None
+    except RecursionError:  # the converter descends once per nested group
+        raise BadRequestError("bad GBNF grammar: groups nested too deeply; use fewer levels of parentheses") from None
     except Exception as exc:  # the converter's name checks raise a plain Exception
         msg = str(exc)
         m = re.match(r"Rule '([^']+)' not found", msg)
@@ -211,6 +438,35 @@ def _gbnf_to_lark(text: str) -> str:
         if msg == "No 'root' rule found":
             msg = "no 'root' rule (the rule generation starts from)"
         raise BadRequestError(f"bad GBNF grammar: {msg}") from None
+    # rules in source order (`resolve` numbered them so); a multi-line rule stands apart
+    body = "\n".join(f"{r}\n" if "\n" in str(r) else str(r) for r in sorted(rules.values(), key=lambda r: r.order))
+    return _NO_FORCING + "\n" + body + "\n"
+
+
+_TOO_DEEP = (f"the JSON schema nests objects and arrays over {MAX_SCHEMA_DEPTH} deep (MAX_SCHEMA_DEPTH):"
+             " flatten it, or name repeated parts in $defs and use $ref")
+
+
+def _check_schema_shape(schema: Any) -> None:
+    """Depth and node count of a parsed schema, walked without recursion (json.dumps
+    recurses, and a schema 1,000 levels deep would end it in RecursionError)."""
+    stack, nodes = [(schema, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1  # each serializes to at least one byte
+        if nodes > MAX_SCHEMA_BYTES:
+            raise BadRequestError(f"the JSON schema is over {MAX_SCHEMA_BYTES:,} bytes (MAX_SCHEMA_BYTES): shorten it")
+        if isinstance(node, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise BadRequestError(_TOO_DEEP)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+
+
+def _compile_matcher(spec: str, tokenizer):
+    m = _llg.LLMatcher(tokenizer, spec, log_level=0, limits=_limits())
+    if not m.is_error():
+        m.compute_bitmask()  # the lexer and first mask are built here, not on a decode step
+    return m
 
 
 @dataclass(frozen=True)
@@ -224,31 +480,36 @@ class Grammar:
     kind: str
     source: str
     spec: str
+    # id(tokenizer) -> (tokenizer, matcher compiled for it in its start state); see compile()
+    _compiled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_gbnf(cls, text: str) -> "Grammar":
         """llama.cpp GBNF (start rule `root`). Text whose first line is `%llguidance`
         is taken as llguidance Lark, as llama.cpp's own llguidance build does."""
+        _check_size(text, MAX_GRAMMAR_BYTES, "grammar", "MAX_GRAMMAR_BYTES")
         if re.match(r"\s*%llguidance\b", text):
             return cls.from_lark(text)
-        llg = _need_llg()
         lark = _gbnf_to_lark(text)
-        spec = llg.LLMatcher.grammar_from_lark(lark)
-        err = llg.LLMatcher.validate_grammar(spec)
+        spec = _need_llg().LLMatcher.grammar_from_lark(lark)  # the same text, when valid
+        err = _on_compile_thread(_compile_error, spec, True)
         if err:
             line, col, what = _lark_error(err)
-            raise BadRequestError(f"bad GBNF grammar{_place_in_gbnf(text, lark, line, col)}: {what}")
+            raise BadRequestError(f"bad GBNF grammar{_place_in_gbnf(text, lark, line, col)}: {what}{_budget_hint(err)}")
         return cls("gbnf", text, spec)
 
     @classmethod
     def from_lark(cls, text: str) -> "Grammar":
-        """llguidance's Lark dialect (start rule `start`; `<|name|>` / `<[id]>` tokens)."""
-        spec = _need_llg().LLMatcher.grammar_from_lark(text)
-        err = _llg.LLMatcher.validate_grammar(spec)
+        """llguidance's Lark dialect (start rule `start`; `<|name|>` / `<[id]>` tokens).
+        A grammar that names tokens skips the byte-vocabulary probe (the probe has none
+        of a model's tokens); its lexer's budget is then met when a matcher is built."""
+        _check_size(text, MAX_GRAMMAR_BYTES, "grammar", "MAX_GRAMMAR_BYTES")
+        spec = _need_llg().LLMatcher.grammar_from_lark(_NO_FORCING + text)
+        err = _on_compile_thread(_compile_error, spec, _TOKEN_REF.search(text) is None)
         if err:
             line, col, what = _lark_error(err)
-            where = f" at line {line}, column {col}" if line else ""
-            raise BadRequestError(f"bad Lark grammar{where}: {what}")
+            where = f" at line {line - 1}, column {col}" if line > 1 else ""  # less _NO_FORCING
+            raise BadRequestError(f"bad Lark grammar{where}: {what}{_budget_hint(err)}")
         return cls("lark", text, spec)
 
     @classmethod
@@ -256,36 +517,58 @@ class Grammar:
         """JSON matching the schema (`True` or `{}`: any JSON value)."""
         llg = _need_llg()
         if isinstance(schema, str):
+            _check_size(schema, MAX_SCHEMA_BYTES, "JSON schema", "MAX_SCHEMA_BYTES")
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise BadRequestError(
                     f"the JSON schema is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
                 ) from None
+            except RecursionError:  # json.loads recurses once per nested object or array
+                raise BadRequestError(_TOO_DEEP) from None
         if not isinstance(schema, (dict, bool)):
             raise BadRequestError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
-        spec = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
-        err = llg.LLMatcher.validate_grammar(spec)
+        _check_schema_shape(schema)
+        text = json.dumps(schema)
+        _check_size(text, MAX_SCHEMA_BYTES, "JSON schema", "MAX_SCHEMA_BYTES")
+        spec = llg.LLMatcher.grammar_from_lark(f"{_NO_FORCING}start: %json {text}")
+        err = _on_compile_thread(_compile_error, spec, True)
         if err:
             detail = _regex_detail(err)
-            raise BadRequestError(f"bad JSON schema: {_first_line(err)}" + (f" {detail}" if detail else ""))
-        return cls("json_schema", json.dumps(schema), spec)
+            what = _AT.sub("", _first_line(err), count=1).removeprefix("failed to compile JSON schema: ")
+            raise BadRequestError(f"bad JSON schema: {what}" + (f" {detail}" if detail else "") + _budget_hint(err))
+        return cls("json_schema", text, spec)
 
     @classmethod
     def from_regex(cls, pattern: str) -> "Grammar":
         """Output that fully matches the pattern (Rust regex syntax; \\d means [0-9])."""
+        _check_size(pattern, MAX_REGEX_BYTES, "regex", "MAX_REGEX_BYTES")
         llg = _need_llg()
         # keep \d \w \s ASCII, as users of JSON-schema style patterns expect
-        spec = llg.LLMatcher.grammar_from_lark(f"start: /{llg.regex_to_lark(pattern, 'dws')}/")
-        err = llg.LLMatcher.validate_grammar(spec)
+        spec = llg.LLMatcher.grammar_from_lark(f"{_NO_FORCING}start: /{llg.regex_to_lark(pattern, 'dws')}/")
+        err = _on_compile_thread(_compile_error, spec, True)
         if err:
-            raise BadRequestError(f"bad regex {pattern!r}: {_regex_detail(err) or _first_line(err)}")
+            shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+            raise BadRequestError(f"bad regex {shown!r}: {_regex_detail(err) or _first_line(err)}{_budget_hint(err)}")
         return cls("regex", pattern, spec)
 
     @classmethod
     def json_object(cls) -> "Grammar":
         """Any JSON object: OpenAI `response_format: {type: json_object}`, Ollama `format: "json"`."""
         return cls.from_json_schema({"type": "object"})
+
+    def compile(self, tokenizer) -> None:
+        """Compile for this tokenizer now (bounded by the limits above, on a compile
+        thread), so that `GrammarMatcher(self, tokenizer)` then costs a copy. Call it where
+        blocking is fine, such as preparing a request; else the first matcher compiles."""
+        self._start_state(tokenizer)
+
+    def _start_state(self, tokenizer):
+        hit = self._compiled.get(id(tokenizer))
+        if hit is None or hit[0] is not tokenizer:  # an id can be reused by a new object
+            hit = (tokenizer, _on_compile_thread(_compile_matcher, self.spec, tokenizer))
+            self._compiled[id(tokenizer)] = hit
+        return hit[1]
 
 
 # -- matcher --------------------------------------------------------------------------
@@ -299,14 +582,20 @@ class GrammarMatcher:
     ids are allowed exactly where the grammar accepts. Speculation: `count_valid(draft)`
     says how much of a draft the grammar allows, `draft_masks(draft)` gives the mask
     of every verify row, and `rollback(n)` / `snapshot()` + `restore()` undo tokens.
+
+    Making one copies the grammar's compiled start state (~0.1 ms; `Grammar.compile`).
+    Without it, the first matcher of a grammar compiles it, blocking the caller for up to
+    the LEXER_FUEL budget (~0.25 s worst measured; most grammars take 1-10 ms).
     """
 
     def __init__(self, grammar: Grammar, tokenizer) -> None:
-        llg = _need_llg()
+        _need_llg()
         self.n_vocab = int(tokenizer.vocab_size)
-        self._m = llg.LLMatcher(tokenizer, grammar.spec, log_level=0)
-        if self._m.is_error():  # e.g. a `<|name|>` this vocabulary has no token for
-            raise BadRequestError(f"the grammar does not compile for this model: {_first_line(self._m.get_error())}")
+        start = grammar._start_state(tokenizer)
+        if start.is_error():  # e.g. a `<|name|>` this vocabulary has no token for
+            err = start.get_error()
+            raise BadRequestError(f"the grammar does not compile for this model: {_first_line(err)}{_budget_hint(err)}")
+        self._m = start.deep_copy()
         self._words = np.empty((1, (self.n_vocab + 31) // 32), np.int32)
         self._mask: np.ndarray | None = None  # cached for the current state
 
