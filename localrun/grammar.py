@@ -17,11 +17,10 @@ A `Grammar` is tokenizer-free and validated when made, so a bad grammar fails be
 any model work, as `BadRequestError` with one line naming line and column where the
 source gives them. A `GrammarMatcher` holds per-generation state.
 
-Bounded work: a grammar comes from a request, so every step is bounded before it runs.
-Sources are size-capped (MAX_* below) before any parsing; the GBNF pre-processing here is
-linear; llguidance compiles under `LLParserLimits` (LEXER_FUEL ...) on a compile thread with a
-deep stack, and its lazily built lexer is tried once on a byte vocabulary while validating,
-so a regex that blows the budget is refused then, not in the middle of a generation.
+Bounded work, since a grammar comes from a request: sources are size-capped (MAX_*
+below) before any parsing; the GBNF pre-processing here is linear; llguidance compiles
+under its limits (LEXER_FUEL ...) on a compile thread with a deep stack, tries the first
+steps on a byte vocabulary while validating, and never walks ahead through fixed text.
 """
 
 from __future__ import annotations
@@ -298,10 +297,10 @@ def _blank_quoted(text: str) -> str:
 
     One pass: what the regex `"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*` matches, each
     match blanked, where re.sub on that regex is quadratic on unclosed openers (it rescans
-    to the end from each of 40,000 `[`: 60-90 s here). A body that cannot close fails at the same
-    place f (the end, or a backslash before a newline) from every opener of its kind
-    before f, as all of them read the same escape pairs from there on; so once one fails,
-    the others up to f are skipped, and every character is scanned at most once per kind.
+    to the end from each of 40,000 `[`: 60-90 s here). A body that cannot close fails at
+    the same place f (the end, or a backslash before a newline) from every opener of its
+    kind before f, as all of them read the same escape pairs from there on; so once one
+    fails, the others up to f are skipped: each character is scanned once per kind.
     """
     pieces: list[str] = []
     done = pos = 0
@@ -439,8 +438,8 @@ def _gbnf_to_lark(text: str) -> str:
             msg = "no 'root' rule (the rule generation starts from)"
         raise BadRequestError(f"bad GBNF grammar: {msg}") from None
     # rules in source order (`resolve` numbered them so); a multi-line rule stands apart
-    body = "\n".join(f"{r}\n" if "\n" in str(r) else str(r) for r in sorted(rules.values(), key=lambda r: r.order))
-    return _NO_FORCING + "\n" + body + "\n"
+    texts = [str(r) for r in sorted(rules.values(), key=lambda r: r.order)]
+    return _NO_FORCING + "\n" + "\n".join(t + "\n" if "\n" in t else t for t in texts) + "\n"
 
 
 _TOO_DEEP = (f"the JSON schema nests objects and arrays over {MAX_SCHEMA_DEPTH} deep (MAX_SCHEMA_DEPTH):"
@@ -490,8 +489,9 @@ class Grammar:
         _check_size(text, MAX_GRAMMAR_BYTES, "grammar", "MAX_GRAMMAR_BYTES")
         if re.match(r"\s*%llguidance\b", text):
             return cls.from_lark(text)
+        llg = _need_llg()
         lark = _gbnf_to_lark(text)
-        spec = _need_llg().LLMatcher.grammar_from_lark(lark)  # the same text, when valid
+        spec = llg.LLMatcher.grammar_from_lark(lark)  # the same text, when valid
         err = _on_compile_thread(_compile_error, spec, True)
         if err:
             line, col, what = _lark_error(err)

@@ -1,11 +1,11 @@
 """Grammars from a request cannot hang or crash the process (localrun.grammar).
 
 Pre-processing is linear (unclosed literals and classes, thousands of rules), every size
-cap answers with one line naming its constant, a regex or schema that needs more lexer
-work than LEXER_FUEL is refused when validated, and a rule chain deep enough to overflow
-a default thread stack in llguidance compiles on the deep-stack compile thread. Normal
-grammars still work. No model: the tokenizer is the scripted byte vocabulary of
-tests/fakes.py.
+cap answers with one line naming its constant, a grammar over llguidance's limits is
+refused when validated, nested repeats no longer cost seconds a mask (llguidance's forcing
+is off), and a rule chain deep enough to overflow a default thread stack in llguidance
+compiles on the deep-stack compile thread. Normal grammars still work. No model: the
+tokenizer is the scripted byte vocabulary of tests/fakes.py.
 
 `within(...)` is a hang guard (10 s, against inputs that took 10 s to hours on the
 quadratic code this replaced), not a speed check.
