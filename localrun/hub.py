@@ -163,95 +163,17 @@ def variants(files: list[RepoFile]) -> list[Variant]:
 # -- reading a remote GGUF header --------------------------------------------------
 
 
-class _NeedMore(Exception):
-    """The bytes fetched so far end inside the header: fetch a longer prefix."""
-
-
-def parse_gguf_prefix(buf: bytes):
-    """(metadata, tensor infos) from the first bytes of a GGUF file; _NeedMore when short."""
-    import struct
-
-    from gguf import GGML_QUANT_SIZES
-
-    from localrun.gguf_check import ArrayInfo, TensorInfo
-
-    pos = 0
-    fixed = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-    def take(fmt: str):
-        nonlocal pos
-        size = struct.calcsize(fmt)
-        if pos + size > len(buf):
-            raise _NeedMore
-        (v,) = struct.unpack_from(fmt, buf, pos)
-        pos += size
-        return v
-
-    def string() -> str:
-        nonlocal pos
-        n = take("<Q")
-        if pos + n > len(buf):
-            raise _NeedMore
-        pos += n
-        return buf[pos - n:pos].decode("utf-8", errors="replace")
-
-    def value(t: int):
-        nonlocal pos
-        if t == 8:
-            return string()
-        if t == 9:
-            et, count = take("<I"), take("<Q")
-            if et in fixed and count >= 64:
-                pos += count * struct.calcsize(fixed[et])
-                if pos > len(buf):
-                    raise _NeedMore
-                return ArrayInfo(et, count)
-            if count < 64:
-                return [value(et) for _ in range(count)]
-            for _ in range(count):  # a vocabulary: skip the strings without decoding them
-                if et != 8:
-                    value(et)
-                    continue
-                n = take("<Q")
-                pos += n
-                if pos > len(buf):
-                    raise _NeedMore
-            return ArrayInfo(et, count)
-        if t not in fixed:
-            raise DownloadError(f"the remote GGUF header has an unknown value type {t}")
-        return take(fixed[t])
-
-    if buf[:4] != b"GGUF":
-        raise DownloadError("the remote file does not start with the GGUF magic")
-    pos = 4
-    take("<I")
-    n_tensors, n_kv = take("<Q"), take("<Q")
-    metadata = {}
-    for _ in range(n_kv):
-        key = string()
-        metadata[key] = value(take("<I"))
-    tensors = []
-    for _ in range(n_tensors):
-        name = string()
-        dims = tuple(take("<Q") for _ in range(take("<I")))
-        gtype, offset = take("<I"), take("<Q")
-        block, type_size = GGML_QUANT_SIZES.get(gtype, (1, 0))  # keys are an IntEnum: ints match
-        n = 1
-        for d in dims:
-            n *= d
-        tensors.append(TensorInfo(name, dims, gtype, offset, n // block * type_size))
-    return metadata, tensors
-
-
-def remote_shape(repo: str, revision: str, f: RepoFile):
-    """The selector's ModelShape of a remote GGUF, from its header alone (Range requests)."""
+def remote_header(repo: str, revision: str, f: RepoFile):
+    """The validated GGUF header of a remote file, from its first bytes (Range requests):
+    4 MiB first, then at least what the reader asks for (4x more each time)."""
     import httpx
     from huggingface_hub.utils import build_hf_headers
 
-    from localrun.quant.selector import shape_from_gguf
+    from localrun.gguf_header import MAX_HEADER_BYTES, MalformedGGUFError, NeedMoreBytes, read_header_prefix
 
     url = file_url(repo, revision, f.path)
-    want = 4 << 20
+    size = f.size or None  # a listing without a size: the reader bounds the header itself
+    want = min(4 << 20, size or 4 << 20)
     while True:
         buf = bytearray()
         try:
@@ -266,12 +188,23 @@ def remote_shape(repo: str, revision: str, f: RepoFile):
         except httpx.HTTPError as exc:
             raise DownloadError(f"cannot read the header of {f.path}: {exc}") from None
         try:
-            metadata, tensors = parse_gguf_prefix(bytes(buf[:want]))
-            return shape_from_gguf(metadata, tensors)
-        except _NeedMore:
-            if want >= f.size or want >= 256 << 20:
-                raise DownloadError(f"the GGUF header of {f.path} is truncated or larger than 256 MB") from None
-            want *= 4
+            return read_header_prefix(bytes(buf[:want]), size, f"{repo}/{f.path}")
+        except MalformedGGUFError as exc:
+            raise DownloadError(f"the GGUF header of {f.path} in {repo} is malformed ({exc.reason} at byte"
+                                f" {exc.offset}); this file cannot load") from None
+        except NeedMoreBytes as more:
+            if len(buf) < want:  # the server ended the body early: asking again gets no further
+                raise DownloadError(f"{endpoint()} sent only {len(buf)} bytes of the header of {f.path}") from None
+            want = min(max(want * 4, more.at_least), size or MAX_HEADER_BYTES, MAX_HEADER_BYTES)
+
+
+def remote_shape(repo: str, revision: str, f: RepoFile):
+    """The selector's ModelShape of a remote GGUF, from its header alone: the model facts
+    (localrun.model_facts) and the tensor sizes, as for a local file."""
+    from localrun.quant.selector import shape_from_gguf
+
+    header = remote_header(repo, revision, f)
+    return shape_from_gguf(header.metadata, header.tensors)
 
 
 # -- downloading --------------------------------------------------------------------

@@ -2,62 +2,36 @@
 
 gguf's GGUFReader decodes every metadata value into numpy parts, ~7 s for a 49k-token
 vocabulary with its merges; a quantizer only has to copy those bytes. `kv_entries`
-returns each key with the raw bytes of its entry (key, type, value) by walking the
-lengths, and `GGUFOut` writes a GGUF v3 from such raw entries plus new typed values,
-then the tensor infos and the tensor data, one tensor at a time.
-
-Only call `kv_entries` on a file `localrun.gguf_check.check_gguf` accepted: it does the
-bounds checks; this walker trusts the lengths.
+returns each key with the raw bytes of its entry (key, type, value), located by
+localrun's one GGUF header reader (localrun.gguf_header: bounds-checked, with limits),
+and `GGUFOut` writes a GGUF v3 from such raw entries plus new typed values, then the
+tensor infos and the tensor data, one tensor at a time.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from localrun.gguf_header import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, open_regular, read_header
+
+__all__ = ["ARRAY", "BOOL", "FLOAT32", "GGUFOut", "INT32", "STRING", "UINT32", "encode_kv", "kv_entries"]
+
 _U8, _U32, _I32, _U64, _F32 = (struct.Struct(f) for f in ("<B", "<I", "<i", "<Q", "<f"))
-STRING, ARRAY, BOOL, UINT32, INT32, FLOAT32 = 8, 9, 7, 4, 5, 6
-_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
 def kv_entries(path: str | os.PathLike) -> list[tuple[str, bytes]]:
-    """[(key, raw entry bytes)] in file order."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        (n_kv,) = _U64.unpack_from(buf, 16)
-        pos, out = 24, []
-        for _ in range(n_kv):
-            start = pos
-            (klen,) = _U64.unpack_from(buf, pos)
-            key = bytes(buf[pos + 8 : pos + 8 + klen]).decode("utf-8")
-            pos += 8 + klen
-            (vtype,) = _U32.unpack_from(buf, pos)
-            pos = _skip_value(buf, pos + 4, vtype)
-            out.append((key, bytes(buf[start:pos])))
-        return out
-
-
-def _skip_value(buf, pos: int, vtype: int) -> int:
-    if vtype in _FIXED:
-        return pos + _FIXED[vtype]
-    if vtype == STRING:
-        return pos + 8 + _U64.unpack_from(buf, pos)[0]
-    if vtype == ARRAY:
-        (et,) = _U32.unpack_from(buf, pos)
-        (count,) = _U64.unpack_from(buf, pos + 4)
-        pos += 12
-        if et in _FIXED:
-            return pos + count * _FIXED[et]
-        unpack = _U64.unpack_from
-        for _ in range(count):
-            if et == STRING:
-                pos += 8 + unpack(buf, pos)[0]
-            else:
-                pos = _skip_value(buf, pos, et)
-        return pos
-    raise ValueError(f"unknown GGUF value type {vtype}")
+    """[(key, raw entry bytes)] in file order; a malformed file raises MalformedGGUFError."""
+    spans = read_header(path).kv_spans
+    if not spans:
+        return []
+    first, last = min(s for s, _ in spans.values()), max(e for _, e in spans.values())
+    with open_regular(os.fspath(path)) as f:
+        f.seek(first)
+        block = f.read(last - first)  # the kv section is contiguous: one read
+    return [(key, block[start - first:end - first]) for key, (start, end) in spans.items()]
 
 
 def _string(s: str) -> bytes:

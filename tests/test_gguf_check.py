@@ -1,12 +1,14 @@
 """The GGUF validator rejects malformed files with MalformedGGUFError, and only that.
 
 A small valid file is written with gguf.GGUFWriter; corrupt copies are made by
-patching fields whose byte offsets the parser itself reports (`_parse(trace=...)`),
-so no offset is a magic number.
+patching fields whose byte offsets the reader itself reports (`read_header(trace=...)`),
+so no offset is a magic number. The same reader reads a prefix of a file (`pull`'s
+remote header): too few bytes is a distinct, recoverable NeedMoreBytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import random
@@ -19,24 +21,17 @@ import numpy as np
 import pytest
 from gguf.quants import quantize
 
-from localrun.errors import MalformedModelError, ModelNotFoundError, UnsupportedFormatError
-from localrun.gguf_check import (
-    ArrayInfo,
-    GGUFSummary,
-    MalformedGGUFError,
-    TensorInfo,
-    _parse,
-    check_gguf,
-    is_gguf,
-    split_part_paths,
-)
+from localrun.errors import LocalrunError, MalformedModelError, ModelNotFoundError, UnsupportedFormatError
+from localrun.gguf_check import (ArrayInfo, GGUFHeader, MalformedGGUFError, TensorInfo, check_gguf, is_gguf,
+                                 split_part_paths)
+from localrun.gguf_header import MAX_HEADER_BYTES, NeedMoreBytes, read_header, read_header_prefix
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 F16 = gguf.GGMLQuantizationType.F16
 F32 = gguf.GGMLQuantizationType.F32
 
 TOKENS = ["<s>", "</s>", "hello", "wörld"]
-LONG = [float(i) / 2 for i in range(100)]  # >= 64 elements: summarized as ArrayInfo
+PER_LAYER = [float(i) / 2 for i in range(100)]  # a number array of <= 512: kept whole (per-layer values)
 RNG = np.random.default_rng(0)
 TENSORS = {  # name -> (numpy array as written, ggml type)
     "a.weight": (RNG.standard_normal((3, 8)).astype(np.float32), F32),
@@ -55,12 +50,9 @@ def write_valid(path: Path, alignment: int | None = None) -> Path:
     w.add_float32("test.eps", 0.5)
     w.add_int64("test.big", -(2**40))
     w.add_array("tokenizer.ggml.tokens", TOKENS)
-    w.add_array("test.long", LONG)
+    w.add_array("test.per_layer", PER_LAYER)
     for name, (arr, qtype) in TENSORS.items():
-        if qtype == Q8:
-            w.add_tensor(name, quantize(arr, Q8), raw_dtype=Q8)
-        else:
-            w.add_tensor(name, arr)
+        w.add_tensor(name, quantize(arr, Q8) if qtype == Q8 else arr, raw_dtype=Q8 if qtype == Q8 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -73,7 +65,7 @@ def valid(tmp_path_factory) -> tuple[Path, bytes, dict[str, int]]:
     """The valid file, its bytes, and label -> byte offset of every parsed field."""
     path = write_valid(tmp_path_factory.mktemp("gguf") / "valid.gguf")
     trace: list[tuple[str, int]] = []
-    _parse(path, trace)
+    read_header(path, trace)
     return path, path.read_bytes(), dict(trace)
 
 
@@ -115,7 +107,7 @@ def rejects(path: Path, *words: str) -> MalformedGGUFError:
 def test_valid_file_summary_matches_what_was_written(valid):
     path, data, offsets = valid
     s = check_gguf(path)
-    assert isinstance(s, GGUFSummary)
+    assert isinstance(s, GGUFHeader)
     assert (s.version, s.n_tensors, s.alignment, s.file_size) == (3, 3, 32, len(data))
     assert s.n_kv == len(s.metadata)
     md = s.metadata
@@ -123,7 +115,13 @@ def test_valid_file_summary_matches_what_was_written(valid):
     assert md["llama.context_length"] == 128 and md["test.flag"] is True
     assert md["test.eps"] == 0.5 and md["test.big"] == -(2**40)
     assert md["tokenizer.ggml.tokens"] == TOKENS
-    assert md["test.long"] == ArrayInfo(gguf.GGUFValueType.FLOAT32, len(LONG))
+    assert md["test.per_layer"] == PER_LAYER
+    assert s.value_types["general.name"] == 8 and s.value_types["test.per_layer"] == 9
+    # Each entry's bytes, which the writers copy verbatim (quant/gguf_io.py): back to back from byte 24.
+    spans = list(s.kv_spans.values())
+    assert spans[0][0] == 24 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    start, end = s.kv_spans["general.name"]
+    assert data[start:end] == struct.pack("<Q", 12) + b"general.name" + struct.pack("<IQ", 8, 9) + b"tiny test"
     assert s.data_offset == offsets["data"] and s.data_offset % 32 == 0
     assert [t.name for t in s.tensors] == list(TENSORS)
     for t in s.tensors:
@@ -137,6 +135,20 @@ def test_valid_file_summary_matches_what_was_written(valid):
     for mine, theirs in zip(s.tensors, reader.tensors):
         assert s.data_offset + mine.offset == theirs.data_offset
         assert mine.nbytes == theirs.n_bytes and list(mine.shape) == list(theirs.shape)
+
+
+def test_long_number_arrays_are_summarized(tmp_path):
+    """Up to 512 numbers (a value per layer) are kept; longer arrays (token scores) are not."""
+    p = tmp_path / "long.gguf"
+    w = gguf.GGUFWriter(p, arch="llama")
+    w.add_array("test.layers", list(range(512)))
+    w.add_array("test.scores", [0.5] * 513)
+    w.add_array("test.flags", [True, False] * 300)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    md = check_gguf(p).metadata
+    assert md["test.layers"] == list(range(512))
+    assert md["test.scores"] == ArrayInfo(gguf.GGUFValueType.FLOAT32, 513)
+    assert md["test.flags"] == ArrayInfo(gguf.GGUFValueType.BOOL, 600)
 
 
 def test_custom_alignment(tmp_path):
@@ -266,7 +278,7 @@ def test_duplicate_key(valid, tmp_path):
 def test_bad_alignment(tmp_path, alignment):
     good = write_valid(tmp_path / "a.gguf", alignment=64)
     trace: list = []
-    _parse(good, trace)
+    read_header(good, trace)
     off, data = dict(trace), good.read_bytes()
     at = off[label_of(off, field(off, "kv", "general.alignment", data)).replace(".key", ".value")]
     rejects(patched(tmp_path, data, at, "<I", alignment), "alignment")
@@ -325,6 +337,80 @@ def test_duplicate_tensor_name(valid, tmp_path):
     rejects(patched(tmp_path, data, at, "1s", b"a"), "duplicate tensor")
 
 
+# --- a prefix of a file (pull's remote header) ---------------------------------
+
+def test_every_short_prefix_needs_more_bytes_then_reads_as_the_file(valid):
+    """Each cut inside the header asks for more (never an error); enough bytes read exactly
+    what the whole file reads, with or without the file's size."""
+    path, data, off = valid
+    whole = check_gguf(path)
+    answers = []
+    for n in range(off["data"] + 1):
+        try:
+            assert read_header_prefix(data[:n], len(data), "remote.gguf") == whole
+            answers.append("ok")
+        except NeedMoreBytes as more:
+            assert n < more.at_least <= off["data"], (n, more.at_least)
+            answers.append("more")
+    first_ok = answers.index("ok")
+    assert set(answers[:first_ok]) == {"more"} and set(answers[first_ok:]) == {"ok"}
+    assert first_ok > off["tensor[2].offset"]  # the last field of the last tensor info is needed
+    unknown_size = read_header_prefix(data[:off["data"]], None, "remote.gguf")
+    assert unknown_size == dataclasses.replace(whole, file_size=None)
+
+
+def test_asking_for_what_was_asked_reaches_the_header(valid):
+    """Fetching exactly `at_least` each time ends, never asking for more than the header."""
+    assert not issubclass(NeedMoreBytes, LocalrunError)  # an outcome to act on, not an error
+    _, data, off = valid
+    have, header = 1, None
+    while header is None:
+        try:
+            header = read_header_prefix(data[:have], len(data), "remote.gguf")
+        except NeedMoreBytes as more:
+            assert more.at_least > have
+            have = more.at_least
+    assert header.n_tensors == len(TENSORS) and have <= off["data"]
+
+
+def test_a_prefix_is_checked_against_the_files_size(valid):
+    """A header longer than the file, or tensor data past its end: malformed, not 'need more'."""
+    _, data, off = valid
+    with pytest.raises(MalformedGGUFError, match="truncated"):
+        read_header_prefix(data, off["tensor[1].name"], "remote.gguf")
+    with pytest.raises(MalformedGGUFError, match=r"tensor #0 data .* runs past the end"):
+        read_header_prefix(data, off["data"], "remote.gguf")
+
+
+def test_a_prefix_keeps_the_limits(valid, tmp_path):
+    """An absurd length or count fails at once even when the file's size is unknown: the
+    header limit bounds it, so a hostile server cannot make pull fetch forever. A (sparse)
+    300 MiB file claiming a 280 MiB string stops at the limit too, not at its size."""
+    _, data, off = valid
+    value_at = off[label_of(off, field(off, "kv", "general.name", data)).replace(".key", ".value")]
+    buf = bytearray(data)
+    struct.pack_into("<Q", buf, value_at, MAX_HEADER_BYTES)
+    with pytest.raises(MalformedGGUFError, match="header limit") as ei:
+        read_header_prefix(bytes(buf), None, "remote.gguf")
+    assert ei.value.offset == value_at
+    struct.pack_into("<Q", buf, value_at, 1 << 20)  # long but possible: ask for the bytes it needs
+    with pytest.raises(NeedMoreBytes) as more:
+        read_header_prefix(bytes(buf), None, "remote.gguf")
+    assert more.value.at_least == value_at + 8 + (1 << 20)
+    buf = bytearray(data)
+    struct.pack_into("<Q", buf, off["n_kv"], 2**40)
+    with pytest.raises(MalformedGGUFError, match="kv count"):
+        read_header_prefix(bytes(buf[:64]), None, "remote.gguf")
+    nested = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9)
+    nested += struct.pack("<IQ", 9, 1) * 6 + struct.pack("<IQ", 0, 0)  # arrays of arrays, 6 deep
+    with pytest.raises(MalformedGGUFError, match="nested deeper than 4"):
+        read_header_prefix(nested, None, "remote.gguf")
+    with open(tmp_path / "huge.gguf", "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1) + b"k" + struct.pack("<IQ", 8, 280 << 20))
+        f.truncate(300 << 20)
+    rejects(tmp_path / "huge.gguf", "header limit")
+
+
 # --- errors never quote the file ---------------------------------------------
 
 def test_a_non_gguf_file_is_refused_without_echoing_its_bytes(tmp_path):
@@ -335,6 +421,10 @@ def test_a_non_gguf_file_is_refused_without_echoing_its_bytes(tmp_path):
     for leak in ("SECR", "SECRETKEY", repr(b"SECR"), "0123"):
         assert leak not in str(e), str(e)
     assert not is_gguf(secret)
+    with pytest.raises(MalformedGGUFError) as ei:  # the same bytes as a remote file's prefix
+        read_header_prefix(secret.read_bytes(), None, "org/repo/model.gguf (remote)")
+    assert str(ei.value).startswith("org/repo/model.gguf (remote): malformed GGUF: bad magic")
+    assert "SECR" not in str(ei.value) and "0123" not in str(ei.value)
 
 
 def test_string_and_type_errors_do_not_echo_keys_or_values(tmp_path):
@@ -344,7 +434,7 @@ def test_string_and_type_errors_do_not_echo_keys_or_values(tmp_path):
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     data = p.read_bytes()
     trace: list = []
-    _parse(p, trace)
+    read_header(p, trace)
     off = dict(trace)
     type_at = off[label_of(off, field(off, "kv", "secret.token", data)).replace(".key", ".type")]
     e = rejects(patched(tmp_path, data, type_at, "<I", 99), "value type")
@@ -494,16 +584,9 @@ def test_random_byte_flips_pass_or_raise_malformed(valid, tmp_path):
 
 # --- real models ------------------------------------------------------------
 
-def model_path(name: str) -> Path:
-    root = os.environ.get("LOCALRUN_TEST_MODELS") or Path.home() / ".cache/localrun/test-models"
-    return Path(root) / name
-
-
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct-q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"])
-def test_real_models_pass_quickly(name):
-    path = model_path(name)
-    if not path.exists():
-        pytest.skip(f"test model {path} is absent; set LOCALRUN_TEST_MODELS")
+@pytest.mark.parametrize("model", ["smollm2_gguf", "gemma3_gguf"])
+def test_real_models_pass_quickly(request, model):
+    path = request.getfixturevalue(model)
     t = time.perf_counter()
     s = check_gguf(path)
     elapsed = time.perf_counter() - t

@@ -56,6 +56,7 @@ def served(tmp_path_factory, smollm2_gguf, gemma3_gguf, smollm2_mlx):
         "mlx-community/SmolLM2-135M-Instruct-f16": {
             **{p.name: p for p in smollm2_mlx.iterdir() if p.is_file()}, "README.md": b"# mlx\n"},
         "test-org/docs-only": {"README.md": b"nothing here\n"},
+        "test-org/fake-GGUF": {"fake-Q4_0.gguf": b"SECRETKEY-0123456789abcdef" * 64},
         "evil/repo": {"../evil-Q4_0.gguf": b"x" * 64},
     }
     with HubServer(repos) as server:
@@ -113,6 +114,23 @@ def test_remote_header_gives_the_local_shape(hubenv, gemma3_gguf):
     assert remote_shape("test-org/gemma-3-270m-GGUF", revision, files[0]) == model_shape(gemma3_gguf)
     ranges = file_gets(hubenv, "gemma-3-270m-Q4_K_M.gguf")
     assert ranges == ["bytes=0-4194303", "bytes=0-16777215"]  # a 262k vocabulary needs a second, larger read
+
+
+def test_a_remote_file_that_is_not_gguf_is_refused_without_its_bytes(hubenv):
+    with pytest.raises(DownloadError) as ei:
+        plan_pull("test-org/fake-GGUF", budget=Budget.from_gb(4))
+    msg = str(ei.value)
+    assert "fake-Q4_0.gguf" in msg and "malformed" in msg and "bad magic" in msg and "\n" not in msg
+    assert "SECR" not in msg and "0123" not in msg
+
+
+def test_a_cut_header_read_is_one_download_error(hubenv):
+    revision, files = list_repo("test-org/gemma-3-270m-GGUF")
+    hubenv.faults = [Fault("cut", file="gemma-3-270m-Q4_K_M.gguf", after=MB, times=-1)]
+    with pytest.raises(DownloadError) as ei:
+        remote_shape("test-org/gemma-3-270m-GGUF", revision, files[0])
+    assert "header of gemma-3-270m-Q4_K_M.gguf" in str(ei.value) and "\n" not in str(ei.value)
+    assert len(file_gets(hubenv, "gemma-3-270m-Q4_K_M.gguf")) == 1  # a short body is not asked for again
 
 
 def test_pull_a_named_quant(hubenv, tmp_path, smollm2_gguf):
