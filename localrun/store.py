@@ -109,26 +109,23 @@ def gguf_quant(path: Path) -> str:
     named = quant_from_filename(path.name)
     if named:
         return named
-    from localrun.gguf_check import check_gguf
-    from localrun.quant.catalog import file_type_name
+    from localrun.model_facts import facts
 
     try:
-        return file_type_name(check_gguf(path).metadata.get("general.file_type"))
+        return facts(path).quant
     except Exception:  # an unreadable file still lists; `show` and `run` explain the flaw
         return "unknown"
 
 
 def mlx_quant(folder: Path) -> str:
     """"4bit" etc. from config.json's quantization block, else the weights' dtype."""
+    from localrun.model_facts import mlx_quant as quant_of_config
+
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "unknown"
-    q = config.get("quantization") or config.get("quantization_config") or {}
-    if isinstance(q, dict) and q.get("bits"):
-        return f"{q['bits']}bit"
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float16")
-    return {"bfloat16": "BF16", "float32": "F32"}.get(dtype, "F16")
+    return quant_of_config(config) if isinstance(config, dict) else "unknown"
 
 
 def _file_size(p: Path) -> int:
@@ -343,84 +340,33 @@ def resolve_installed(name: str, installed: list[StoredModel] | None = None) -> 
 # -- facts for `localrun show` ------------------------------------------------------------
 
 
-def _safetensors_params(folder: Path, bits: int | None) -> int:
-    """Parameter count from the safetensors headers (packed quantized weights unpacked)."""
-    import struct
-
-    total = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(min(n, 100 << 20)))
-        for name, t in header.items():
-            if name == "__metadata__" or name.endswith((".scales", ".biases")):
-                continue
-            count = 1
-            for d in t["shape"]:
-                count *= d
-            total += count * 32 // bits if bits and t["dtype"] == "U32" else count
-    return total
-
-
-def _capabilities(template: str | None, extra: list[str]) -> str:
+def _capabilities(f, extra: list[str]) -> str:
     caps = ["completion"]
-    if template:
+    if f.chat_template:
         caps.append("chat")
-        if "tools" in template:
+        if f.has_tools:
             caps.append("tools")
-        if "<think>" in template or "enable_thinking" in template:
+        if "<think>" in f.chat_template or "enable_thinking" in f.chat_template:
             caps.append("thinking")
     return ", ".join(caps + extra)
 
 
 def model_facts(name_or_path: str) -> dict:
-    """Architecture, parameters, context length, quant, capabilities and chat template."""
+    """What `localrun show` prints: localrun.model_facts' facts, the store's quant name and
+    the files beside the model (a vision projector)."""
     path = resolve_model(name_or_path)
+    from localrun.model_facts import facts as read_facts
     from localrun.quant.selector import weights_bytes
 
-    facts: dict = {"path": str(path)}
-    if path.is_dir():
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-            tok_cfg = path / "tokenizer_config.json"
-            template = json.loads(tok_cfg.read_text(encoding="utf-8")).get("chat_template") if tok_cfg.exists() else None
-            if (path / "chat_template.jinja").exists():
-                template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-        except (OSError, ValueError) as exc:
-            from localrun.errors import MalformedModelError
-
-            raise MalformedModelError(f"{path}: cannot read config.json or tokenizer_config.json: {exc}") from None
-        quant = mlx_quant(path)
-        bits = int(quant[:-3]) if quant.endswith("bit") else None
-        facts.update({"format": "mlx", "architecture": config.get("model_type", "unknown"),
-                      "parameters": _human_count(_safetensors_params(path, bits)),
-                      "context length": config.get("max_position_embeddings", "unknown"), "quant": quant})
-        extra: list[str] = []
-    else:
-        from localrun.gguf_check import check_gguf
-
-        summary = check_gguf(path)
-        meta = summary.metadata
-        arch = meta.get("general.architecture", "unknown")
-        n_params = 0
-        for t in summary.tensors:
-            count = 1
-            for d in t.shape:
-                count *= d
-            n_params += count
-        template = meta.get("tokenizer.chat_template")
-        extra = ["fill-in-the-middle"] if any(k in meta for k in ("tokenizer.ggml.fim_pre_token_id",
-                                                                   "tokenizer.ggml.prefix_token_id")) else []
-        if f"{arch}.pooling_type" in meta:
-            extra.append("embedding")
-        if any(p.name.lower().startswith("mmproj") for p in path.parent.glob("*.gguf")):
-            extra.append("vision (mmproj file beside it)")
-        facts.update({"format": "gguf", "architecture": arch, "parameters": _human_count(n_params),
-                      "context length": meta.get(f"{arch}.context_length", "unknown"), "quant": gguf_quant(path)})
-    facts["size"] = f"{weights_bytes(path) / (1 << 30):.2f} GB"
-    facts["capabilities"] = _capabilities(template, extra)
-    facts["chat template"] = template
-    return facts
+    f = read_facts(path)
+    extra = (["fill-in-the-middle"] if f.has_fim else []) + (["embedding"] if f.pooling_type is not None else [])
+    if f.format == "gguf" and any(p.name.lower().startswith("mmproj") for p in path.parent.glob("*.gguf")):
+        extra.append("vision (mmproj file beside it)")
+    return {"path": str(path), "format": f.format, "architecture": f.architecture,
+            "parameters": _human_count(f.n_params), "context length": f.context_length or "unknown",
+            "quant": gguf_quant(path) if f.format == "gguf" else f.quant,
+            "size": f"{weights_bytes(path) / (1 << 30):.2f} GB", "capabilities": _capabilities(f, extra),
+            "chat template": f.chat_template}
 
 
 def _human_count(n: int) -> str:

@@ -45,10 +45,6 @@ GPU_CONTEXT_OVERHEAD = 400 * MIB  # a CUDA context and cuBLAS workspace take thi
 RAM_RESERVE = 512 * MIB  # left to the OS and the other programs when the budget is probed
 VERDICTS = ("Full GPU", "Partial", "CPU", "Won't fit")
 
-# Layer i is a sliding-window layer when (i + 1) % period != 0 (llama.cpp's default
-# pattern), for architectures whose GGUF does not store the pattern itself.
-_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt-oss": 2}
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -70,41 +66,15 @@ class ModelShape:
     repack_share: float = 0.0  # share of the weight bytes the CPU backend copies into repacked form
 
 
-def _per_layer(value, n: int) -> tuple[int, ...]:
-    if isinstance(value, (list, tuple)):
-        vals = [int(v) for v in value][:n]
-        return tuple(vals + [vals[-1] if vals else 0] * (n - len(vals)))
-    return (int(value or 0),) * n
-
-
 def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
-    """From a GGUF header (gguf_check's summary: metadata and tensor infos)."""
-    arch = str(metadata.get("general.architecture", "llama"))
+    """From a GGUF header (metadata and tensor infos): the model facts
+    (localrun.model_facts), with each block's share of the weight bytes."""
+    from localrun.model_facts import gguf_facts
 
-    def key(name, default=None):
-        return metadata.get(f"{arch}.{name}", default)
-
-    n_layer = int(key("block_count", 0) or 0)
+    f = gguf_facts(metadata, tensors)
+    n_layer = f.n_layer
     if n_layer <= 0:
-        raise BadRequestError(f"the GGUF header has no {arch}.block_count; cannot size this model")
-    n_embd = int(key("embedding_length", 0) or 0)
-    heads = _per_layer(key("attention.head_count", 1), n_layer)
-    kv_heads = _per_layer(key("attention.head_count_kv", heads[0]), n_layer)
-    head_k = int(key("attention.key_length", 0) or (n_embd // max(1, heads[0])))
-    head_v = int(key("attention.value_length", 0) or head_k)
-    ff = key("feed_forward_length", 4 * n_embd)
-    n_ff = max(_per_layer(ff, n_layer)) if ff else 4 * n_embd
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    n_vocab = int(key("vocab_size", 0) or getattr(tokens, "count", 0) or (len(tokens) if isinstance(tokens, list) else 0))
-    window = key("attention.sliding_window")
-    pattern = key("attention.sliding_window_pattern")
-    if isinstance(pattern, list):
-        swa = tuple(bool(p) for p in _per_layer([int(bool(p)) for p in pattern], n_layer))
-    elif window:
-        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else _SWA_PERIOD.get(arch, 0)
-        swa = tuple(period > 1 and (i + 1) % period != 0 for i in range(n_layer))
-    else:
-        swa = (False,) * n_layer
+        raise BadRequestError(f"the GGUF header has no {f.architecture}.block_count; cannot size this model")
     per_layer = [0] * n_layer
     total = repacked = 0
     for t in tensors:
@@ -116,32 +86,24 @@ def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
             if idx.isdigit() and int(idx) < n_layer:
                 per_layer[int(idx)] += t.nbytes
     share = tuple(b / total for b in per_layer) if total else (1.0 / n_layer,) * n_layer
-    return ModelShape(arch, n_layer, int(key("context_length", 4096) or 4096), n_embd, n_ff, n_vocab,
-                      kv_heads, head_k, head_v, swa, int(window) if window else None, share, "llama.cpp",
-                      repacked / total if total else 0.0)
+    return _shape(f, share, "llama.cpp", repacked / total if total else 0.0)
 
 
 def shape_from_mlx_config(config: dict) -> ModelShape:
-    cfg = {**config, **(config.get("text_config") or {})}  # multimodal configs nest the LM
-    n_layer = int(cfg.get("num_hidden_layers", 0))
-    if n_layer <= 0:
+    from localrun.model_facts import mlx_config_facts
+
+    f = mlx_config_facts(config)
+    if f.n_layer <= 0:
         raise BadRequestError("config.json has no num_hidden_layers; cannot size this MLX model")
-    n_embd = int(cfg.get("hidden_size", 0))
-    n_head = int(cfg.get("num_attention_heads", 1))
-    head_dim = int(cfg.get("head_dim") or n_embd // max(1, n_head))
-    window = cfg.get("sliding_window")
-    if cfg.get("layer_types"):
-        swa = tuple(t == "sliding_attention" for t in cfg["layer_types"][:n_layer])
-    elif window and cfg.get("sliding_window_pattern"):
-        period = int(cfg["sliding_window_pattern"])
-        swa = tuple((i + 1) % period != 0 for i in range(n_layer))
-    else:
-        swa = (False,) * n_layer
-        window = None
-    return ModelShape(str(cfg.get("model_type", "unknown")), n_layer, int(cfg.get("max_position_embeddings") or 4096),
-                      n_embd, int(cfg.get("intermediate_size", 4 * n_embd)), int(cfg.get("vocab_size", 0)),
-                      _per_layer(cfg.get("num_key_value_heads", n_head), n_layer), head_dim, head_dim,
-                      swa, int(window) if window else None, (1.0 / n_layer,) * n_layer, "mlx")
+    return _shape(f, (1.0 / f.n_layer,) * f.n_layer, "mlx")
+
+
+def _shape(f, layer_share: tuple[float, ...], backend: str, repack_share: float = 0.0) -> ModelShape:
+    """The memory model's numbers from the model facts; 4096 tokens and a 4x feed-forward
+    stand in where a file does not say."""
+    return ModelShape(f.architecture, f.n_layer, f.context_length or 4096, f.n_embd, f.n_ff or 4 * f.n_embd,
+                      f.n_vocab, f.kv_heads, f.head_dim, f.head_dim_v, f.swa_layers, f.sliding_window,
+                      layer_share, backend, repack_share)
 
 
 @functools.lru_cache(maxsize=64)
