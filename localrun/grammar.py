@@ -30,7 +30,6 @@ import json
 import re
 import threading
 import weakref
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -38,10 +37,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .errors import BadRequestError
+from .gbnf import NO_FORCING, gbnf_to_lark_text, place_in_gbnf
 
 try:
     import llguidance as _llg
-    from llguidance.gbnf_to_lark import GbnfToLarkError, GrammarParser, RuleRefNode, resolve
 except ImportError as exc:  # pragma: no cover - depends on the install
     _llg = None
     _IMPORT_ERROR = exc
@@ -65,7 +64,7 @@ MAX_SCHEMA_DEPTH = 100  # nested JSON objects/arrays in a schema (llguidance's p
 
 # llguidance's own budget (LLParserLimits; its unit of lexer work is "fuel"). The lexer
 # is built lazily, at the first mask: validation builds it once on a byte vocabulary, so a
-# grammar over LEXER_FUEL is refused then. With forcing off (_NO_FORCING below) nested
+# grammar over LEXER_FUEL is refused then. With forcing off (NO_FORCING below) nested
 # repeats such as `a{1000}{1000}` cost ~0.1 ms a mask; the largest enum the size caps admit
 # (20,000 entries, 250 KiB) validates in ~0.2 s at LEXER_FUEL.
 LEXER_FUEL = 1_000_000  # building the lexer (~50k/ms): llguidance's default
@@ -87,8 +86,8 @@ COMPILE_THREADS = 2
 # with `R: /[a]{10000}/` (35 bytes) walks 10^8 bytes per mask, 2.9 s and 1.6 GB, on the
 # decode thread. Every grammar here turns it off: each tokenization of fixed text is then
 # allowed, as in llama.cpp's own grammar sampler, and as `GrammarMatcher.allows` (the
-# engine's fast path, which never tokenizes forced text) accepted already.
-_NO_FORCING = '%llguidance {"no_forcing": true}\n'
+# engine's fast path, which never tokenizes forced text) accepted already. (NO_FORCING,
+# in gbnf.py, is the line each spec starts with.)
 
 
 # -- tokenizer ------------------------------------------------------------------------
@@ -279,169 +278,6 @@ def _lark_error(msg: str) -> tuple[int, int, str]:
     return int(at.group(1)), int(at.group(2)), text
 
 
-def _line_col(text: str, offset: int) -> tuple[int, int]:
-    line = text.count("\n", 0, offset) + 1
-    return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
-
-
-# the body of a "literal" or a [class]: escaped pairs and plain characters, possessive
-# (nothing after it can make it give characters back)
-_BODY = {'"': re.compile(r'(?:\\.|[^"\\])*+'), "[": re.compile(r"(?:\\.|[^\]\\])*+")}
-_CLOSER = {'"': '"', "[": "]"}
-_OPENER = re.compile(r'["\[#]')
-
-
-def _blank_quoted(text: str) -> str:
-    r"""GBNF text with literals, char classes and comments blanked (same offsets), so a
-    search for a rule name finds references, not strings that happen to spell it.
-
-    One pass: what the regex `"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*` matches, each
-    match blanked, where re.sub on that regex is quadratic on unclosed openers (it rescans
-    to the end from each of 40,000 `[`: 60-90 s here). A body that cannot close fails at
-    the same place f (the end, or a backslash before a newline) from every opener of its
-    kind before f, as all of them read the same escape pairs from there on; so once one
-    fails, the others up to f are skipped: each character is scanned once per kind.
-    """
-    pieces: list[str] = []
-    done = pos = 0
-    fails_before = {'"': 0, "[": 0}  # an opener of this kind before here cannot close
-    while (m := _OPENER.search(text, pos)) is not None:
-        start, kind = m.start(), m.group()
-        if kind == "#":
-            end = text.find("\n", start)
-            end = len(text) if end < 0 else end
-        elif start < fails_before[kind]:
-            pos = start + 1
-            continue
-        else:
-            end = _BODY[kind].match(text, start + 1).end()
-            if not text.startswith(_CLOSER[kind], end):
-                fails_before[kind] = end
-                pos = start + 1
-                continue
-            end += 1
-        pieces += (text[done:start], " " * (end - start))
-        done = pos = end
-    pieces.append(text[done:])
-    return "".join(pieces)
-
-
-_START_ALIAS = "st4rt"
-_START_REF = re.compile(r"(?<![\w-])start(?![\w-])")
-
-
-def _lark_rule_name(name: str) -> str:
-    """A GBNF rule's name as llguidance's converter writes it in Lark (lower case)."""
-    special = {"root": "start", "start": _START_ALIAS}.get(name)
-    return special or re.sub(r"([a-z])([A-Z])", r"\1_\2", name.replace("-", "_")).lower()
-
-
-def _gbnf_rules(text: str) -> dict[str, tuple[str, int]]:
-    """Lark rule name (as llguidance's converter renames it, lower case) -> (GBNF name,
-    offset of its definition). One scan of the text; each name converted once."""
-    out: dict[str, tuple[str, int]] = {}
-    for m in re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", _blank_quoted(text)):
-        out.setdefault(_lark_rule_name(m.group(1)), (m.group(1), m.start(1)))
-    return out
-
-
-def _place_in_gbnf(text: str, lark: str, line: int, col: int) -> str:
-    """' at line L, column C (rule 'r')' in the GBNF source for an error that llguidance
-    placed in the converted Lark, or "" when it cannot be traced back."""
-    lark_lines = lark.splitlines()
-    if not 0 < line <= len(lark_lines):
-        return ""
-    head = next((l for l in reversed(lark_lines[:line]) if re.match(r"\w+:", l)), "")
-    rule = _gbnf_rules(text).get(head.split(":")[0].lower())
-    if rule is None:
-        return ""
-    name, offset = rule
-    # the Lark item at the error (`"a"{2,1}`, `/[z-a]/`) mostly appears verbatim in the GBNF
-    item = lark_lines[line - 1][max(col - 1, 0):].split(" ")[0].strip("/")
-    found = text.find(item, offset) if item else -1
-    at_line, at_col = _line_col(text, found if found >= 0 else offset)
-    return f" at line {at_line}, column {at_col} (rule '{name}')"
-
-
-def _rename_start(text: str) -> str:
-    """The converter renames `root` to Lark's `start`: a user's own `start` becomes a
-    name of the same length first, so every error offset stays right. One pass."""
-    cuts = [m.start() for m in _START_REF.finditer(_blank_quoted(text))]
-    if not cuts:
-        return text
-    pieces, done = [], 0
-    for at in cuts:
-        pieces += (text[done:at], _START_ALIAS)
-        done = at + len("start")
-    pieces.append(text[done:])
-    return "".join(pieces)
-
-
-def _mark_terminal_rules(rules: dict) -> None:
-    """Set `rule_is_terminal` (the rule becomes a Lark token: it names only other such
-    rules and literals) where llguidance's `resolve` would, in linear time. `resolve`
-    re-walks every rule until a pass marks nothing; a chain of rules defined head first
-    marks one per pass, which is quadratic (4.7 s on 64 KiB). With every mark preset, its
-    first pass marks nothing and it stops. Same least fixpoint, so the same marks."""
-    users: dict[str, list[str]] = defaultdict(list)
-    waiting: dict[str, int] = {}  # rule -> names it uses that are not yet known terminal
-    for name, rule in rules.items():
-        used: set[str] = set()
-        stack = [rule.alternatives]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, RuleRefNode):
-                used.add(node.name)
-            else:
-                stack.extend(node.children())
-        waiting[name] = len(used)
-        for other in used:
-            users[other].append(name)
-    ready = [name for name, n in waiting.items() if n == 0]
-    while ready:
-        name = ready.pop()
-        if name == "root":  # becomes Lark's `start` rule, which is never a token
-            continue
-        rules[name].rule_is_terminal = True
-        for user in users[name]:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                ready.append(user)
-
-
-def _gbnf_to_lark(text: str) -> str:
-    text = _rename_start(text)
-    try:
-        rules = GrammarParser().parse(text)
-        _mark_terminal_rules(rules)
-        resolve(rules)
-    except GbnfToLarkError as exc:
-        line, col = _line_col(exc.pos.text, exc.pos.pos)
-        what = str(exc)[: -len(f" at {exc.pos}")] or str(exc)
-        if exc.pos.current() in ("<", "!"):
-            what = ("token references (<...>, !<...>) are not supported in GBNF here;"
-                    " write the grammar in Lark syntax (first line: %llguidance {}), where"
-                    " <|name|>, <[id]> and <[^id]> work")
-        raise BadRequestError(f"bad GBNF grammar at line {line}, column {col}: {what}") from None
-    except RecursionError:  # the converter descends once per nested group
-        raise BadRequestError("bad GBNF grammar: groups nested too deeply; use fewer levels of parentheses") from None
-    except Exception as exc:  # the converter's name checks raise a plain Exception
-        msg = str(exc)
-        m = re.match(r"Rule '([^']+)' not found", msg)
-        if m:
-            ref = re.search(rf"(?<![\w-]){re.escape(m.group(1))}(?![\w-])", _blank_quoted(text))
-            if ref:
-                line, col = _line_col(text, ref.start())
-                name = "start" if m.group(1) == _START_ALIAS else m.group(1)
-                raise BadRequestError(f"bad GBNF grammar at line {line}, column {col}: undefined rule '{name}'") from None
-        if msg == "No 'root' rule found":
-            msg = "no 'root' rule (the rule generation starts from)"
-        raise BadRequestError(f"bad GBNF grammar: {msg}") from None
-    # rules in source order (`resolve` numbered them so); a multi-line rule stands apart
-    texts = [str(r) for r in sorted(rules.values(), key=lambda r: r.order)]
-    return _NO_FORCING + "\n" + "\n".join(t + "\n" if "\n" in t else t for t in texts) + "\n"
-
-
 _TOO_DEEP = (f"the JSON schema nests objects and arrays over {MAX_SCHEMA_DEPTH} deep (MAX_SCHEMA_DEPTH):"
              " flatten it, or name repeated parts in $defs and use $ref")
 
@@ -490,12 +326,12 @@ class Grammar:
         if re.match(r"\s*%llguidance\b", text):
             return cls.from_lark(text)
         llg = _need_llg()
-        lark = _gbnf_to_lark(text)
+        lark = gbnf_to_lark_text(text)
         spec = llg.LLMatcher.grammar_from_lark(lark)  # the same text, when valid
         err = _on_compile_thread(_compile_error, spec, True)
         if err:
             line, col, what = _lark_error(err)
-            raise BadRequestError(f"bad GBNF grammar{_place_in_gbnf(text, lark, line, col)}: {what}{_budget_hint(err)}")
+            raise BadRequestError(f"bad GBNF grammar{place_in_gbnf(text, lark, line, col)}: {what}{_budget_hint(err)}")
         return cls("gbnf", text, spec)
 
     @classmethod
@@ -504,11 +340,11 @@ class Grammar:
         A grammar that names tokens skips the byte-vocabulary probe (the probe has none
         of a model's tokens); its lexer's budget is then met when a matcher is built."""
         _check_size(text, MAX_GRAMMAR_BYTES, "grammar", "MAX_GRAMMAR_BYTES")
-        spec = _need_llg().LLMatcher.grammar_from_lark(_NO_FORCING + text)
+        spec = _need_llg().LLMatcher.grammar_from_lark(NO_FORCING + text)
         err = _on_compile_thread(_compile_error, spec, _TOKEN_REF.search(text) is None)
         if err:
             line, col, what = _lark_error(err)
-            where = f" at line {line - 1}, column {col}" if line > 1 else ""  # less _NO_FORCING
+            where = f" at line {line - 1}, column {col}" if line > 1 else ""  # less NO_FORCING
             raise BadRequestError(f"bad Lark grammar{where}: {what}{_budget_hint(err)}")
         return cls("lark", text, spec)
 
@@ -531,7 +367,7 @@ class Grammar:
         _check_schema_shape(schema)
         text = json.dumps(schema)
         _check_size(text, MAX_SCHEMA_BYTES, "JSON schema", "MAX_SCHEMA_BYTES")
-        spec = llg.LLMatcher.grammar_from_lark(f"{_NO_FORCING}start: %json {text}")
+        spec = llg.LLMatcher.grammar_from_lark(f"{NO_FORCING}start: %json {text}")
         err = _on_compile_thread(_compile_error, spec, True)
         if err:
             detail = _regex_detail(err)
@@ -545,7 +381,7 @@ class Grammar:
         _check_size(pattern, MAX_REGEX_BYTES, "regex", "MAX_REGEX_BYTES")
         llg = _need_llg()
         # keep \d \w \s ASCII, as users of JSON-schema style patterns expect
-        spec = llg.LLMatcher.grammar_from_lark(f"{_NO_FORCING}start: /{llg.regex_to_lark(pattern, 'dws')}/")
+        spec = llg.LLMatcher.grammar_from_lark(f"{NO_FORCING}start: /{llg.regex_to_lark(pattern, 'dws')}/")
         err = _on_compile_thread(_compile_error, spec, True)
         if err:
             shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from fakes import EOS, ScriptedBackend, make_info
-from localrun import grammar
+from localrun import gbnf, grammar
 from localrun.errors import BadRequestError
 from localrun.grammar import Grammar, GrammarMatcher, build_tokenizer
 
@@ -95,14 +95,14 @@ def test_scanner_blanks_exactly_what_the_regex_did():
     samples = ['root ::= "a[" [x"] # "q\n', '"\\"" [\\]] "\\\n" [a', '# x\n"#" [#]', '[[]"["', '\\"a"']
     samples += ["".join(rng.choice('"[]\\#\na ') for _ in range(rng.randint(0, 24))) for _ in range(20000)]
     for text in samples:
-        assert grammar._blank_quoted(text) == regex_blank(text), repr(text)
+        assert gbnf.blank_quoted(text) == regex_blank(text), repr(text)
 
 
 @pytest.mark.parametrize("body", ["[", '\\"', "[\\]"], ids=["brackets", "escaped-quotes", "escaped-closers"])
 def test_unclosed_openers_scan_in_one_pass(body):
     """Every opener here fails to close, and each one made the regex rescan to the end."""
     text = "root ::= " + body[-2:] + body * (200_000 // len(body))
-    assert within(grammar._blank_quoted, text) == text  # nothing closes: nothing blanked
+    assert within(gbnf.blank_quoted, text) == text  # nothing closes: nothing blanked
 
 
 def test_forty_thousand_brackets_are_refused_quickly():
@@ -130,7 +130,7 @@ def test_terminal_rules_match_llguidances_own_conversion():
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     text = chain_gbnf(30, big_rule_items=3) + 'loop ::= "(" loop ")" | "x"\nroot2 ::= loop\n'
-    ours, theirs = grammar._gbnf_to_lark(text), gbnf_to_lark(text)
+    ours, theirs = gbnf.gbnf_to_lark_text(text), gbnf_to_lark(text)
     assert [l for l in ours.splitlines() if l][1:] == [l for l in theirs.splitlines() if l][1:]  # past %llguidance
     assert "R30: \"a\"" in ours and "\nloop: " in ours and "\nstart: BIG" in ours
 
