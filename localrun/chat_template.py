@@ -84,6 +84,41 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
 
 
+MAX_TEMPLATE_FILE_BYTES = 256 * 1024  # the largest published templates (tools, reasoning) are ~20 KB
+
+
+def load_template_file(path) -> str:
+    """A `--chat-template FILE`: read (at most MAX_TEMPLATE_FILE_BYTES, UTF-8) and compiled
+    now, so a broken file fails when the model opens, as one line naming the file."""
+    import os
+
+    name = os.fspath(path)
+    if os.path.exists(name) and not os.path.isfile(name):  # a folder, FIFO or device: never block on it
+        raise BadRequestError(f"--chat-template {name}: not a regular file")
+    try:
+        with open(name, "rb") as f:
+            data = f.read(MAX_TEMPLATE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise BadRequestError(f"--chat-template {name}: cannot read it ({exc.strerror})") from None
+    if len(data) > MAX_TEMPLATE_FILE_BYTES:
+        raise BadRequestError(f"--chat-template {name}: over {MAX_TEMPLATE_FILE_BYTES // 1024} KiB; a chat template is a few KB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"--chat-template {name}: not UTF-8 text (byte {exc.start})") from None
+    if not text.strip():
+        raise BadRequestError(f"--chat-template {name}: the file is empty")
+    try:
+        _compile(text)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise BadRequestError(f"--chat-template {name}: does not parse (line {exc.lineno}): {_one_line(exc.message)}") from None
+    except BudgetExceeded as exc:
+        raise BadRequestError(f"--chat-template {name}: {exc}") from None
+    except jinja2.exceptions.TemplateError as exc:
+        raise BadRequestError(f"--chat-template {name}: {_one_line(exc)}") from None
+    return text
+
+
 def validate_messages(messages: list[dict]) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages must be a non-empty list of {role, content} objects")

@@ -22,13 +22,16 @@ import numpy as np
 from localrun.backends import open_backend
 from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted, ModelInfo
 
-from . import chat_template, slots
+from . import chat_template as chat_template_module
+from . import slots
 from .errors import BadRequestError, ContextExceededError, LocalrunError
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
 from .speculative import DraftController, propose
 from .textstream import StopMatcher, Utf8Stream
+from .tools import ToolCall, ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
+from .tools.model import CallOutput, ModelTools
 
 
 @dataclass
@@ -66,14 +69,17 @@ class Timings:
 class Event:
     """A piece of streamed output; the last one has finish_reason and timings."""
 
-    text: str
+    text: str  # content: a tool call's markup never appears here
     tokens: list[int]
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+    # "stop" (EOS or stop string) | "length" | "tool_calls" (ended normally after a call)
+    finish_reason: str | None = None
     timings: Timings | None = None
     # with SamplingParams.n_probs > 0: per token, the n most likely (id, probability)
     top_probs: list[list[tuple[int, float]]] | None = None
     # with n_probs > 0: per token, the probability the model gave the token it produced
     token_probs: list[float] | None = None
+    # with tools: the calls' pieces produced with this text (first delta of a call: id, name)
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 @dataclass
@@ -82,6 +88,7 @@ class Completion:
     tokens: list[int]
     finish_reason: str
     timings: Timings
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +104,7 @@ class Generation:
     output: list[int] = field(default_factory=list)
     lookup: DraftController | None = None
     matcher: GrammarMatcher | None = None
+    calls: CallOutput | None = None  # with tools: splits the text into content and calls
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     _utf8: Utf8Stream = field(default_factory=Utf8Stream)
@@ -113,15 +121,26 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, chat_template: str | None = None) -> None:
+        """`chat_template`: Jinja text that replaces the model's own (--chat-template)."""
         self.backend = backend
         self.info: ModelInfo = backend.info
         self.n_ctx = backend.n_ctx
         self._free = list(range(backend.n_seq))
         self.token_text = TokenText.from_backend(backend)  # DRY's breakers, resolved once per model
-        self.chat_template = self.info.chat_template or chat_template.fallback_template(
+        self.chat_template = chat_template or self.info.chat_template or chat_template_module.fallback_template(
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
+        self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
+
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template reads `tools`, so declared tools reach the model."""
+        return self.tools.supported
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        return self.tools.format
 
     @classmethod
     def open(
@@ -132,17 +151,21 @@ class Engine:
         threads: int | None = None,
         n_batch: int = 512,
         kv_cache_type: str | None = None,
+        chat_template: str | Path | None = None,
     ) -> "Engine":
-        """kv_cache_type: "f16" (None means f16), "q8_0" or "q4_0", the KV cache's element type."""
+        """kv_cache_type: "f16" (None means f16), "q8_0" or "q4_0", the KV cache's element type.
+        chat_template: a Jinja template FILE used instead of the model's own."""
         from localrun.backends import check_kv_cache_type
 
         if n_ctx is not None and n_ctx < 16:
             raise BadRequestError(f"--ctx must be at least 16 tokens, got {n_ctx}")
         kv_cache_type = check_kv_cache_type(kv_cache_type)  # before any model is read
+        template = chat_template_module.load_template_file(chat_template) if chat_template is not None else None
         return cls(
             open_backend(
                 path, n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch, kv_cache_type=kv_cache_type
-            )
+            ),
+            chat_template=template,
         )
 
     def close(self) -> None:
@@ -162,10 +185,16 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools=()) -> list[int]:
+        """The conversation as the model's template writes it. `tools` (Tool objects or
+        OpenAI's list) reach the template as Hugging Face's `tools` variable; history with
+        tool calls and results is normalised first (localrun.tools.history_messages)."""
         info = self.info
-        text = chat_template.render(
-            self.chat_template, messages, info.bos_text, info.eos_text, add_generation_prompt
+        tools = parse_tools(tools, "tools") if tools else ()
+        self.tools.check(tools)
+        extra = {"tools": [t.template_dict() for t in tools]} if tools else {}
+        text = chat_template_module.render(
+            self.chat_template, history_messages(messages), info.bos_text, info.eos_text, add_generation_prompt, **extra
         )
         # Templates that write the BOS themselves must not get a second one.
         has_bos = bool(info.bos_text) and text.startswith(info.bos_text)
@@ -189,10 +218,15 @@ class Engine:
             raise RuntimeError("every sequence slot is busy")
         room = self.n_ctx - len(tokens)
         seq, n_keep = self._pick_slot(tokens)
+        from .errors import CacheNotTrimmableError
+
         try:
             self.backend.kv_trim(seq, n_keep)
-        except LocalrunError:  # a cache that cannot be cut (some MLX layer types)
+        except CacheNotTrimmableError:  # an MLX rotating window: read the whole prompt afresh
             n_keep = 0
+        except Exception:  # a real failure reaches the caller, and the slot stays free
+            self._free.append(seq)
+            raise
         if not n_keep:
             self.backend.kv_clear(seq)
         gen = Generation(
@@ -207,7 +241,11 @@ class Engine:
         )
         if request.lookup.enabled:
             gen.lookup = DraftController(request.lookup)
-        if request.grammar is not None:
+        if request.tools:  # prepare() built and compiled it: cache hits
+            grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+            gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
+            gen.calls = self.tools.output(request.tool_choice)
+        elif request.grammar is not None:
             gen.matcher = GrammarMatcher(request.grammar, build_tokenizer(self.backend))
         gen.timings.prompt_tokens = len(tokens)
         gen.timings.cached_tokens = n_keep
@@ -378,6 +416,7 @@ class Engine:
         last = events[-1]
         probs = [p for e in events for p in (e.top_probs or [])] or None
         chosen = [p for e in events for p in (e.token_probs or [])] or None
+        calls = [d for e in events for d in (e.tool_calls or [])] or None
         return Event(
             "".join(e.text for e in events),
             [t for e in events for t in e.tokens],
@@ -385,6 +424,7 @@ class Engine:
             last.timings,
             probs,
             chosen,
+            calls,
         )
 
     @staticmethod
@@ -436,27 +476,43 @@ class Engine:
         g.output.append(token)
         g.history.append(token)
         t.generated_tokens = len(g.output)
-        text, hit = g.stops.feed(g._utf8.feed(self.backend.token_bytes(token)))
+        piece = g._utf8.feed(self.backend.token_bytes(token))
+        calls = None
+        if g.calls is not None:  # stop strings apply to content only, never inside a call
+            piece, calls = g.calls.feed(token, piece)
+        text, hit = g.stops.feed(piece)
         if hit:
             return self._finish(g, "stop", token, text, flush=False)
+        if calls:  # content before a call is complete: what the stop matcher held goes out first
+            text += g.stops.flush()
+        calls = calls or None
         if g.matcher is not None and g.matcher.is_done():  # nothing but EOS may follow
-            return self._finish(g, "stop", token, text)
+            return self._finish(g, "stop", token, text, calls=calls)
         if len(g.output) >= g.max_tokens:
-            return self._finish(g, "length", token, text)
-        return Event(text, [token])
+            return self._finish(g, "length", token, text, calls=calls)
+        return Event(text, [token], tool_calls=calls)
 
     def finish(self, g: Generation, reason: str = "length") -> Event:
         """End a generation early (a time budget ran out): the last event, with any text
         the stop matcher and UTF-8 decoder still held."""
         return self._finish(g, reason)
 
-    def _finish(self, g: Generation, reason: str, token: int | None = None, text: str = "", flush: bool = True) -> Event:
+    def _finish(
+        self, g: Generation, reason: str, token: int | None = None, text: str = "", flush: bool = True,
+        calls: list[ToolCallDelta] | None = None,
+    ) -> Event:
         if flush:
-            tail, hit = g.stops.feed(g._utf8.flush())
+            tail = g._utf8.flush()
+            if g.calls is not None:
+                tail, more = g.calls.finish(tail)
+                calls = (calls or []) + more or None
+            tail, hit = g.stops.feed(tail)
             text += tail + ("" if hit else g.stops.flush())
+        if reason == "stop" and g.calls is not None and g.calls.made_calls and g.stops.matched is None:
+            reason = "tool_calls"
         g.finish_reason = reason
         self.release(g)
-        return Event(text, [token] if token is not None else [], reason, g.timings)
+        return Event(text, [token] if token is not None else [], reason, g.timings, tool_calls=calls)
 
     def generate(
         self, prompt: str | Sequence[int], request: GenerationRequest | None = None, **options
@@ -480,15 +536,23 @@ class Engine:
     ) -> Completion:
         parts: list[str] = []
         tokens: list[int] = []
+        deltas: list[ToolCallDelta] = []
         last = Event("", [], "length", Timings())
         for ev in self.generate(prompt, request, **options):
             parts.append(ev.text)
             tokens.extend(ev.tokens)
+            deltas.extend(ev.tool_calls or ())
             last = ev
-        return Completion("".join(parts), tokens, last.finish_reason or "length", last.timings or Timings())
+        return Completion(
+            "".join(parts), tokens, last.finish_reason or "length", last.timings or Timings(), collect_calls(deltas)
+        )
 
     def chat(self, messages: list[dict], request: GenerationRequest | None = None, **options) -> Iterator[Event]:
-        return self.generate(self.chat_prompt(messages), request, **options)
+        """Stream the answer to `messages`; `tools=[...]`, `tool_choice=...` and
+        `parallel_tool_calls=...` (or a request carrying them) render the tools with the
+        model's template and hold its calls to them."""
+        request = request_or_options(request, options)
+        return self.generate(self.chat_prompt(messages, tools=request.tools), request)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

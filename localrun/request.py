@@ -59,9 +59,12 @@ dialects where the field is read, with the dialect's own name:
 The sampler's own bounds (logit-bias entries, DRY breakers, `samplers`, every number)
 are `SamplingParams`' (localrun.sampling.declare).
 
-Room for tool calls (issue 15): `tools` and `tool_choice` join this object next to
-`grammar`, as the lazy constraint they compile to, so every entry point gets them the
-same way.
+Tool calls (issue 15): `tools` (Tool objects, or OpenAI's list, parsed by
+`localrun.tools.parse_tools` with its bounds: 128 tools, 64 KiB a schema, 256 KiB in all),
+`tool_choice` (None means "auto" when tools are given) and `parallel_tool_calls` sit next
+to `grammar`, as the constraint they compile to, so they cannot be combined with one.
+`prepare` builds the call grammar (cached per model and tool set) and compiles it for the
+model's tokenizer, so a tool set the model cannot take fails before any answer starts.
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import BadRequestError
-from .grammar import Grammar, build_tokenizer
+from .grammar import Grammar, GrammarMatcher, build_tokenizer
 from .sampling import SamplingParams
 from .sampling.declare import MAX_N_PROBS
 from .speculative import LookupConfig
+from .tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -105,7 +109,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    grammar: Grammar | None = None  # the output constraint; tools (issue 15) belong beside it
+    grammar: Grammar | None = None  # the output constraint (not with tools: they make their own)
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice | None = None  # None: "auto" when there are tools
+    parallel_tool_calls: bool = True
     # limits the server's scheduler enforces (llama-server's fields); the engine ignores them
     t_max_predict_ms: float | None = None
     n_indent: int = 0
@@ -120,13 +127,23 @@ class GenerationRequest:
         object.__setattr__(self, "lookup", _lookup(self.lookup))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise BadRequestError(f"grammar must be a compiled Grammar, got {type(self.grammar).__name__}")
+        tools = self.tools
+        if not (isinstance(tools, tuple) and all(isinstance(t, Tool) for t in tools)):
+            tools = parse_tools(tools, "tools")
+        object.__setattr__(self, "tools", tools)
+        object.__setattr__(self, "tool_choice", parse_tool_choice(self.tool_choice, tools, "tool_choice"))
+        if not isinstance(self.parallel_tool_calls, bool):
+            raise BadRequestError(f"parallel_tool_calls must be true or false, got {self.parallel_tool_calls!r}")
+        if tools and self.grammar is not None:
+            raise BadRequestError("'grammar' cannot be combined with 'tools' (nor response_format / json_schema / format)")
         object.__setattr__(self, "t_max_predict_ms", _time_budget(self.t_max_predict_ms))
         object.__setattr__(self, "n_indent", _n_indent(self.n_indent))
 
     @classmethod
     def of(cls, **options) -> "GenerationRequest":
         """From keyword options, as the Python API spells them: sampling, max_tokens,
-        stop, ignore_eos, lookup, grammar (None for any of them means its default)."""
+        stop, ignore_eos, lookup, grammar, tools, tool_choice, parallel_tool_calls (None
+        for any of them means its default)."""
         unknown = set(options) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
@@ -198,11 +215,18 @@ def prepare(engine, request: GenerationRequest) -> GenerationRequest:
     calls this in a worker thread; calling it again on its result is cheap (cache hits).
     `engine` is an `Engine` (its backend, info and token_text)."""
     sampling = prepare_sampling(engine, request.sampling)
-    if request.grammar is not None:
+    grammar = request.grammar
+    if request.tools:
+        # built once per model and tool set; raises ToolsUnsupportedError without tool support
+        grammar = engine.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+    if grammar is not None:
         info = engine.info
         if info.eos_id is None and not info.stop_ids:
             raise BadRequestError("this model has no end-of-sequence token, so it cannot follow a grammar")
-        build_tokenizer(engine.backend)  # built once per model (seconds on a large vocabulary)
+        tokenizer = build_tokenizer(engine.backend)  # built once per model (seconds on a large vocabulary)
+        if request.tools:
+            grammar.compile(tokenizer)  # on the compile thread, within the limits; cached
+            GrammarMatcher(grammar, tokenizer)  # a tool set over the limits fails here, as a 400
     return request if sampling is request.sampling else dataclasses.replace(request, sampling=sampling)
 
 

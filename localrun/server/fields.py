@@ -13,6 +13,7 @@ from ..errors import BadRequestError
 from ..grammar import Grammar
 from ..request import MAX_CONTENT_PARTS, MAX_GRAMMAR_CHARS, MAX_MESSAGES, MAX_ROLE_CHARS, GenerationRequest
 from ..sampling import PARAMETER, PARAMETERS, SamplingParams
+from ..tools import parse_tool_choice, parse_tools
 
 # SamplingParams fields a request may set under their own (llama-server) names: every
 # declared sampler parameter a body carries (localrun.sampling.PARAMETERS)
@@ -213,9 +214,37 @@ def generation_request(
         raise BadRequestError(f"{fields.where}{exc}") from None
 
 
+def tool_fields(body: Body, constraints: tuple[str, ...]) -> dict:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as GenerationRequest keyword
+    arguments (none when the body declares no tool). `constraints` are the dialect's own
+    output-constraint fields (`grammar`, `response_format`, Ollama's `format`, ...): a
+    call brings its own grammar, so one of them with tools is refused under its name.
+    Compiles every tool's schema: call it off the event loop, like grammar_from."""
+    raw = body.get("tools")
+    if raw:
+        for key in constraints:
+            if _constrains(body, key):
+                raise BadRequestError(f"'{key}' cannot be combined with 'tools': send one or the other")
+    tools = parse_tools(raw, "tools")
+    choice = parse_tool_choice(body.get("tool_choice"), tools, "tool_choice")  # "required" needs tools
+    if not tools:
+        return {}  # "auto" and "none" without tools: a plain chat
+    return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": body.bool("parallel_tool_calls", True)}
+
+
+def _constrains(body: Body, key: str) -> bool:
+    """Whether a constraint field asks for one: unset, "" (Ollama's no format) and
+    OpenAI's {"type": "text"} do not."""
+    v = body.get(key)
+    if v is None or v == "":
+        return False
+    return not (key == "response_format" and isinstance(v, dict) and v.get("type") == "text")
+
+
 def messages(body: Body) -> list[dict]:
     """A chat's messages as {role, content} with text content (OpenAI's list-of-parts
-    content is joined; images are refused: these models read text only)."""
+    content is joined; images are refused: these models read text only), plus any
+    tool_calls, tool_call_id, tool_name and name (Engine.chat_prompt normalises them)."""
     raw = body.list("messages", required=True, most=MAX_MESSAGES)
     if not raw:
         raise BadRequestError("'messages' must hold at least one message")
@@ -248,5 +277,11 @@ def messages(body: Body) -> list[dict]:
             raise BadRequestError(f"'{where}.content' must be a string, got {_show(content)}")
         if m.get("images"):
             raise BadRequestError(f"'{where}.images': this server reads text only")
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        # tool calls and results travel as given; localrun.tools.history_messages checks them
+        msg.update({k: m[k] for k in _TOOL_KEYS if m.get(k) is not None})
+        out.append(msg)
     return out
+
+
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "tool_name", "name")
