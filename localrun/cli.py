@@ -95,6 +95,8 @@ def _add_model(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate (default: to the end of the context)")
     p.add_argument("--verbose", action="store_true", help="print timings to stderr")
     p.add_argument("--no-lookup", dest="lookup", action="store_false", help="turn prompt-lookup speculative decoding off")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template used instead of the model's own (e.g. one with tool support)")
 
 
 def sampling_from_args(args: argparse.Namespace):
@@ -138,7 +140,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling=sampling_from_args(args), max_tokens=args.max_tokens, stop=args.stop,
         lookup=args.lookup, grammar=grammar_from_args(args),
     )
-    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type) as engine:
+    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type,
+                     chat_template=args.chat_template) as engine:
         if args.raw:
             tokens = engine.tokenize(prompt)
         else:
@@ -160,6 +163,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from localrun.tui.app import run_chat  # the Textual app; the line REPL when piped
 
+    if args.chat_template:  # a broken file is one error line before the app starts
+        from .chat_template import load_template_file
+
+        load_template_file(args.chat_template)
     return run_chat(args)
 
 
