@@ -1,26 +1,23 @@
 """Backends behind one protocol (`base.Backend`), chosen by what the model path holds:
-a `.gguf` file runs on llama.cpp, a folder with `config.json` and safetensors on MLX."""
+a `.gguf` file runs on llama.cpp (llamacpp.py), a folder with `config.json` and
+safetensors on MLX (mlx.py). Both take one set of load options (see `open_backend`).
+
+This folder depends on the core (`localrun.errors`, `localrun.formats`, ...) only;
+`localrun.quant` may use it, never the reverse (tests/test_packaging.py checks).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from localrun.errors import BadRequestError, ModelNotFoundError, UnsupportedFormatError
-from localrun.quant.quant_types import KV_CACHE_TYPES
+from localrun.errors import ModelNotFoundError, UnsupportedFormatError
+from localrun.formats import KV_CACHE_TYPES, check_kv_cache_type
 
 from .base import Backend, BatchEntry, ModelInfo
 
 __all__ = [
     "KV_CACHE_TYPES", "Backend", "BatchEntry", "ModelInfo", "check_kv_cache_type", "detect_format", "open_backend"
 ]
-
-
-def check_kv_cache_type(kv_cache_type: str | None) -> str:
-    """The KV cache element type to use ("f16" when None), or a one-line error naming the flag."""
-    kind = "f16" if kv_cache_type is None else kv_cache_type
-    if kind not in KV_CACHE_TYPES:
-        raise BadRequestError(f"--kv-cache-type must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache_type!r}")
-    return kind
 
 
 def detect_format(path: str | Path) -> str:
@@ -52,9 +49,11 @@ def detect_format(path: str | Path) -> str:
 
 def open_backend(path: str | Path, **kwargs) -> Backend:
     """Load a model (a path, or a store name such as org/repo:Q4_K_M) on the backend its
-    format needs. kwargs: n_ctx, n_seq, n_batch, threads, kv_cache_type ("f16", "q8_0" or
-    "q4_0": the element type of the KV cache; quantized caches hold about 1/2 or 1/4 of
-    f16's bytes per token)."""
+    format needs. kwargs, taken by both backends: n_ctx, n_seq, n_batch, kv_cache_type
+    ("f16", "q8_0" or "q4_0": the element type of the KV cache; quantized caches hold
+    about 1/2 or 1/4 of f16's bytes per token); llama.cpp's threads, n_gpu_layers and
+    workers (MLX refuses any but their default); MLX's trust_remote_code (llama.cpp has
+    none: a GGUF holds no code). An unknown keyword is a TypeError on either."""
     from localrun.store import resolve_model
 
     if "kv_cache_type" in kwargs:  # a bad value fails before a model is read

@@ -59,11 +59,27 @@ class BatchEntry:
 
 @runtime_checkable
 class Backend(Protocol):
-    name: str
+    """Everything the engine, the scheduler, the server and the grammar read from a
+    backend; nothing else is read. tests/test_backend_contract.py checks that each
+    backend, and the scripted fake, declares every member here with its type and
+    parameter names.
+
+    Errors: a constructor that cannot load raises ModelLoadError; `decode` raises
+    DecodeInterrupted (after `interrupt`) or DecodeError (the pass failed), leaving every
+    cache as it was; `kv_trim` raises CacheNotTrimmableError when the cache cannot be
+    cut (the caller clears the sequence and reads its history again instead).
+    """
+
+    name: str  # "llama.cpp" | "mlx"
     info: ModelInfo
+    n_vocab: int  # rows of logits are this wide (= info.n_vocab)
     n_ctx: int  # context size of each sequence
     n_seq: int  # how many sequences may be live at once
     n_batch: int  # most tokens one decode call may carry in total
+    kv_cache_type: str  # the KV cache's element type: "f16", "q8_0" or "q4_0"
+    # True when `interrupt` can stop a decode mid-pass; a backend without it gets short
+    # prompt chunks from the scheduler instead, so a waiting stream is not held long
+    can_interrupt: bool
     # True when one decode computes together only sequences with consecutive ids, and
     # each gap costs another forward pass (llama.cpp's KV stream per sequence); the
     # engine then keeps busy slots adjacent (localrun/slots.py)
@@ -101,7 +117,8 @@ class Backend(Protocol):
         ...
 
     def kv_trim(self, seq: int, n_keep: int) -> None:
-        """Drop every cached position >= n_keep of `seq`."""
+        """Drop every cached position >= n_keep of `seq`; CacheNotTrimmableError when
+        this cache cannot be cut (nothing is dropped then)."""
         ...
 
     def kv_copy(self, src: int, dst: int, n: int) -> None:
@@ -112,6 +129,11 @@ class Backend(Protocol):
 
     def kv_tokens(self, seq: int) -> Sequence[int]:
         """The tokens `seq`'s KV holds, in position order (what a new prompt may reuse)."""
+        ...
+
+    def kv_state_bytes(self, seq: int) -> int:
+        """Bytes `seq`'s cached positions occupy in the cache's element type (what
+        `--kv-cache-type` saves; the caches' spare capacity is not counted)."""
         ...
 
     def close(self) -> None: ...

@@ -27,8 +27,9 @@ from typing import Sequence
 import numpy as np
 
 from localrun import rpc
-from localrun.errors import BackendUnavailableError, ModelLoadError
-from localrun.quant.catalog import file_type_name
+from localrun.errors import BackendUnavailableError, CacheNotTrimmableError, DecodeError, ModelLoadError
+from localrun.formats import file_type_name
+from localrun.hardware import inference_threads
 
 from . import check_kv_cache_type
 from .base import BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
@@ -42,13 +43,17 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 # --kv-cache-type names -> ggml element types (ggml.h: GGML_TYPE_F16 = 1, Q4_0 = 2, Q8_0 = 8)
 _GGML_KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
+# llama_decode's return codes other than 0 and 2 (aborted), as llama.h documents them
+_DECODE_CODES = {1: "no room in the KV cache for this batch", -1: "an invalid batch"}
+
 _log = logging.getLogger("localrun")
 _LOG_CALLBACK = None  # keep the ctypes callback alive for the process lifetime
 _BACKEND_READY = False
 
 
-def _init_llama() -> None:
-    """Initialise llama.cpp once and keep its log quiet unless LOCALRUN_LLAMA_LOG is set."""
+def init_llama() -> None:
+    """Initialise llama.cpp once and keep its log quiet unless LOCALRUN_LLAMA_LOG is set.
+    Anything in this process that calls llama.cpp directly (quant/imatrix.py) calls this first."""
     global _LOG_CALLBACK, _BACKEND_READY
     if _BACKEND_READY:
         return
@@ -80,13 +85,7 @@ def _set_kv_cache_type(cparams, kv_cache_type: str) -> None:
         cparams.flash_attn = True
 
 
-def default_threads() -> int:
-    try:
-        import psutil
-
-        return max(1, psutil.cpu_count(logical=False) or os.cpu_count() or 1)
-    except Exception:  # psutil missing or unable to read the topology
-        return max(1, os.cpu_count() or 1)
+default_threads = inference_threads  # the old name, until localrun/rpc_cli.py and scripts/bench.py move
 
 
 class LlamaCppBackend:
@@ -106,7 +105,7 @@ class LlamaCppBackend:
         """workers: llama.cpp RPC workers to split the model over (None: the ones `--rpc`
         registered for this process, if any; see localrun/rpc.py)."""
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
-        _init_llama()
+        init_llama()
         self._model = None
         self._ctx = None
         self._batch = None
@@ -126,7 +125,7 @@ class LlamaCppBackend:
         self.n_seq = int(n_seq)
         self._ledger = KvLedger(self.n_seq)
         self.n_batch = int(min(n_batch, self.n_ctx * self.n_seq))
-        threads = int(threads or default_threads())
+        threads = int(threads or inference_threads())
 
         cparams = _lc.llama_context_default_params()
         cparams.n_ctx = self.n_ctx * self.n_seq
@@ -321,7 +320,8 @@ class LlamaCppBackend:
                 _lc.llama_memory_seq_rm(self._mem, e.seq, e.pos, -1)
             raise DecodeInterrupted()
         if rc != 0:
-            raise ModelLoadError(f"llama_decode failed with code {rc} (batch of {i} tokens)")
+            raise DecodeError(f"llama_decode failed with code {rc} ({_DECODE_CODES.get(rc, 'an internal error')}) on a"
+                              f" batch of {i} tokens; set LOCALRUN_LLAMA_LOG=1 to see why")
         self._ledger.fed(batch)
         n_out = sum(e.n_logits for e in batch)
         if n_out == 0:
@@ -384,7 +384,8 @@ class LlamaCppBackend:
         b.n_tokens = len(tokens)
         rc = _lc.llama_decode(ctx, b)
         if rc != 0:
-            raise ModelLoadError(f"llama_decode failed with code {rc} while embedding {len(tokens)} tokens")
+            raise DecodeError(f"llama_decode failed with code {rc} ({_DECODE_CODES.get(rc, 'an internal error')})"
+                              f" while embedding {len(tokens)} tokens")
         n_embd = _lc.llama_model_n_embd(self._model)
         vec = np.ctypeslib.as_array(_lc.llama_get_embeddings_seq(ctx, 0), shape=(n_embd,)).astype(np.float32)
         norm = float(np.linalg.norm(vec))
@@ -394,7 +395,8 @@ class LlamaCppBackend:
 
     def kv_trim(self, seq: int, n_keep: int) -> None:
         if not _lc.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
-            raise ModelLoadError(f"llama.cpp could not trim sequence {seq} to {n_keep} tokens")
+            # llama.cpp cuts a recurrent state (Mamba, RWKV) only whole
+            raise CacheNotTrimmableError(f"llama.cpp cannot cut sequence {seq}'s cache back to {n_keep} tokens")
         self._ledger.trimmed(seq, n_keep)
 
     def kv_copy(self, src: int, dst: int, n: int) -> None:

@@ -20,16 +20,33 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from localrun.errors import BackendUnavailableError, ModelLoadError, UnsupportedFormatError
+from localrun.errors import (
+    BackendUnavailableError,
+    BadRequestError,
+    CacheNotTrimmableError,
+    ModelLoadError,
+    UnsupportedFormatError,
+)
+from localrun.formats import check_kv_cache_type
 
-from . import check_kv_cache_type
 from .base import BatchEntry, KvLedger, ModelInfo, check_batch
 
+if TYPE_CHECKING:
+    from localrun.rpc import Cluster
+
 _KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
+# llama.cpp's load parameters: MLXBackend names them so that one set of options opens a
+# model on either backend, and refuses any value but the default, which here would do
+# nothing. name -> (default, how the user sets it, why MLX has no use for it)
+_LLAMA_CPP_ONLY = {
+    "threads": (None, "--threads", "MLX sizes its own thread pool"),
+    "n_gpu_layers": (-1, "n_gpu_layers", "MLX runs every layer on its default device"),
+    "workers": (None, "--rpc", "MLX spreads a model over machines with mlx-ring instead"),
+}
 CONFIG_READ_LIMIT = 4 << 20  # a config.json is a few KB; a bigger one is not read whole
 
 
@@ -139,6 +156,14 @@ def _piece_table(hf, n_vocab: int, special: set[int]) -> list[bytes]:
     return table
 
 
+def _refuse_llama_cpp_only(path, **given) -> None:
+    for name, value in given.items():
+        default, flag, why = _LLAMA_CPP_ONLY[name]
+        if value != default:
+            shown = flag if name == "workers" else f"{flag} {value}"
+            raise BadRequestError(f"{shown} applies to llama.cpp models only ({why}); leave it unset for {path}")
+
+
 class MLXBackend:
     name = "mlx"
 
@@ -148,12 +173,17 @@ class MLXBackend:
         n_ctx: int | None = None,
         n_seq: int = 1,
         n_batch: int = 512,
+        threads: int | None = None,
+        n_gpu_layers: int = -1,
         kv_cache_type: str = "f16",
+        workers: "Cluster | None" = None,
         trust_remote_code: bool = False,
-        **_ignored,
     ) -> None:
-        """trust_remote_code: let a model whose config names its own Python code
-        (`model_file`, `auto_map`) import it; refused otherwise, before anything loads."""
+        """The parameters are llama.cpp's (LlamaCppBackend), plus trust_remote_code: let a
+        model whose config names its own Python code (`model_file`, `auto_map`) import
+        it; refused otherwise, before anything loads. threads, n_gpu_layers and workers
+        mean nothing to MLX: any value but their default is a one-line error."""
+        _refuse_llama_cpp_only(path, threads=threads, n_gpu_layers=n_gpu_layers, workers=workers)
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
         path = Path(path)
         check_remote_code(path, trust_remote_code, "pass --trust-remote-code")
@@ -302,6 +332,9 @@ class MLXBackend:
         """MLX evaluates a pass as one graph; there is no point to stop it at. Callers
         keep steps short instead (see can_interrupt)."""
 
+    def clear_interrupt(self) -> None:
+        """Nothing to withdraw: `interrupt` sets nothing here."""
+
     # -- embeddings --------------------------------------------------------------
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
@@ -312,7 +345,7 @@ class MLXBackend:
         mx = self._mx
         body = getattr(self._model, "model", None) or getattr(self._model, "language_model", None)
         if body is None:
-            raise ModelLoadError("this MLX model does not expose its hidden states, so it cannot embed")
+            raise BadRequestError(f"{self.info.path} does not expose its hidden states, so it cannot embed")
         hidden = body(mx.array([list(tokens)]))
         vec = np.array(mx.mean(hidden[0].astype(mx.float32), axis=0))
         norm = float(np.linalg.norm(vec))
@@ -326,7 +359,7 @@ class MLXBackend:
             return
         caches = self._caches[seq]
         if not all(c.is_trimmable() for c in caches):  # check all first: never cut half the layers
-            raise ModelLoadError("this MLX model's cache cannot be cut back (a rotating window is full)")
+            raise CacheNotTrimmableError(f"sequence {seq}'s cache cannot be cut back (an MLX rotating window is full)")
         for c in caches:
             c.trim(drop)
         self._offsets[seq] = n_keep
@@ -371,6 +404,18 @@ class MLXBackend:
                 if a is not None and a.ndim >= 2 and a.shape[-2]:
                     total += a.nbytes // a.shape[-2] * min(held, a.shape[-2])
         return total
+
+    # -- for tensor-parallel sharding (localrun/mlx_ring.py) ------------------------
+
+    @property
+    def model(self):
+        """mlx-lm's model module (the ring shards its weights across ranks)."""
+        return self._model
+
+    @property
+    def config(self) -> dict:
+        """The model folder's config.json, as loaded."""
+        return self._config
 
     def close(self) -> None:
         self._caches = []

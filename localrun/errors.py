@@ -47,5 +47,25 @@ class BadRequestError(LocalrunError):
 
 
 class ModelLoadError(LocalrunError):
+    """A backend could not load a model or make its context (memory, device, a file the
+    runtime rejects)."""
+
+    exit_code = 3
+    http_status = 500
+
+
+class DecodeError(LocalrunError):
+    """A forward pass failed (not an interrupt): e.g. llama_decode found no room in the
+    KV cache or reported an internal error. The sequences it touched hold no new tokens."""
+
+    exit_code = 3
+    http_status = 500
+
+
+class CacheNotTrimmableError(LocalrunError):
+    """This sequence's KV cache cannot be cut back to fewer positions (an MLX rotating
+    window that has wrapped, a recurrent state). Callers that can re-read the history
+    clear the sequence instead; anything else is a bug, hence 500."""
+
     exit_code = 3
     http_status = 500

@@ -240,3 +240,29 @@ def backend_report() -> list[tuple[str, str]]:
 
 def format_bytes(n: float) -> str:
     return f"{n / GIB:.1f} GB" if n >= GIB else f"{n / (1 << 20):.0f} MB"
+
+
+# -- default thread counts: two numbers for two kinds of work -------------------------
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, else every CPU): the threads for
+    independent pieces of work, such as quantizing rows in parallel."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def inference_threads() -> int:
+    """Threads for a model's forward pass (llama.cpp's n_threads): one per physical core,
+    at most one per usable CPU. Its matrix kernels gain nothing from a core's second
+    hardware thread, and every graph node ends at a barrier that waits for the slowest
+    thread, so a thread without a CPU of its own stalls them all."""
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False)
+    except Exception:  # psutil missing or unable to read the topology
+        physical = None
+    usable = usable_cpus()
+    return max(1, min(physical or usable, usable))

@@ -1,22 +1,6 @@
-"""Names of llama.cpp file types (the `general.file_type` GGUF key, `enum llama_ftype`).
-
-Only the names live here for now; the quant selector adds bits per weight and the
-quality rank beside them.
-"""
+"""Moved to `localrun.formats`. Re-exported here until the last importers move:
+localrun/store.py and localrun/server/describe.py."""
 
 from __future__ import annotations
 
-FILE_TYPE_NAMES: dict[int, str] = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
-    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
-    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S",
-    22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M",
-    28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
-    37: "TQ2_0", 38: "MXFP4",
-}
-
-
-def file_type_name(file_type: int | None) -> str:
-    if file_type is None:
-        return "unknown"
-    return FILE_TYPE_NAMES.get(int(file_type), f"type {file_type}")
+from localrun.formats import FILE_TYPE_NAMES, file_type_name  # noqa: F401 - re-exports

@@ -16,7 +16,6 @@ tensor it made, so a ggml that changed the struct fails loudly instead of readin
 from __future__ import annotations
 
 import ctypes
-import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from localrun.errors import BackendUnavailableError, BadRequestError
+from localrun.hardware import usable_cpus
 
 GGML_MAX_DIMS = 4
 GGML_MAX_OP_PARAMS = 64
@@ -156,10 +156,6 @@ def requires_imatrix(ggml_type: int) -> bool:
     return bool(lib().ggml_quantize_requires_imatrix(int(ggml_type)))
 
 
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
-
 def quantize_rows(
     ggml_type: int,
     rows: np.ndarray,
@@ -195,7 +191,7 @@ def quantize_rows(
     rows_per_mat = n_rows // (mats.shape[0] if mats is not None else 1)
 
     # Chunks never cross an expert boundary: each slice has its own importance row.
-    n_thr = max(1, threads or default_threads())
+    n_thr = max(1, threads or usable_cpus())
     step = max(1, min(rows_per_mat, -(-n_rows // (n_thr * 4))))
     jobs = []
     for mat_start in range(0, n_rows, rows_per_mat):

@@ -42,14 +42,14 @@ from .gguf_tokenizer import write_tokenizer
 SUPPORTED_ARCHS = ("llama",)
 DTYPES = ("float16", "bfloat16", "float32")
 
-# GGUF tensor name -> Hugging Face llama name. Per-layer names are the part after
-# "blk.N.".
-_GLOBAL_NAMES = {
+# GGUF tensor name -> Hugging Face llama name (hf_to_gguf.py reads them the other way).
+# Per-layer names are the part after "blk.N." / "model.layers.N.".
+GGUF_TO_HF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+GGUF_TO_HF_LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
@@ -206,11 +206,11 @@ def _config(meta: dict[str, Any], vocab_size: int, tied: bool, dtype: str) -> di
 
 
 def _hf_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    if name in GGUF_TO_HF_NAMES:
+        return GGUF_TO_HF_NAMES[name]
     m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in GGUF_TO_HF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{GGUF_TO_HF_LAYER_NAMES[m.group(2)]}"
     # Dropping a tensor we do not understand (biases, extra norms) would give a model
     # that loads and talks nonsense, so refuse instead.
     raise UnsupportedFormatError(
@@ -275,7 +275,7 @@ def _convert_weights(reader, config: dict[str, Any], dtype: str, progress) -> di
 def _check_complete(weights: dict[str, Any], config: dict[str, Any]) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for n in range(config["num_hidden_layers"]):
-        need += [f"model.layers.{n}.{v}" for v in _LAYER_NAMES.values()]
+        need += [f"model.layers.{n}.{v}" for v in GGUF_TO_HF_LAYER_NAMES.values()]
     missing = [k for k in need if k not in weights]
     if missing:
         raise MalformedModelError(

@@ -26,12 +26,12 @@ import numpy as np
 from localrun.errors import BadRequestError, LocalrunError, MalformedModelError, ModelNotFoundError, UnsupportedFormatError
 
 from .atomic import atomic_output
-from .gguf_to_mlx import _GLOBAL_NAMES, _LAYER_NAMES, llama3_freq_factors, permute_qk
+from .gguf_to_mlx import GGUF_TO_HF_LAYER_NAMES, GGUF_TO_HF_NAMES, llama3_freq_factors, permute_qk
 from .hf_tokenizer import tokenizer_metadata
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_HF_TO_GGUF = {hf: g for g, hf in _GLOBAL_NAMES.items()}
-_LAYER_HF_TO_GGUF = {hf: g for g, hf in _LAYER_NAMES.items()}
+_HF_TO_GGUF = {hf: g for g, hf in GGUF_TO_HF_NAMES.items()}
+_LAYER_HF_TO_GGUF = {hf: g for g, hf in GGUF_TO_HF_LAYER_NAMES.items()}
 _BIASES = {"self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
            "self_attn.v_proj.bias": "attn_v.bias"}
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}

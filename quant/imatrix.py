@@ -26,7 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from localrun.errors import BadRequestError, LocalrunError, ModelLoadError, ModelNotFoundError
+from localrun.errors import BadRequestError, DecodeError, LocalrunError, ModelLoadError, ModelNotFoundError
+from localrun.hardware import inference_threads
 
 from . import ggml_lib
 from .imatrix_file import ImportanceMatrix
@@ -142,7 +143,7 @@ def compute_imatrix(
     """Run the GGUF `model` over `text` and return the accumulated importance matrix."""
     import llama_cpp as lc
 
-    from localrun.backends.llamacpp import _init_llama, default_threads
+    from localrun.backends.llamacpp import init_llama
     from localrun.gguf_check import check_gguf
 
     model = Path(model).expanduser()
@@ -151,7 +152,7 @@ def compute_imatrix(
     if chunk_size < MIN_ROWS:
         raise BadRequestError(f"--chunk-size must be at least {MIN_ROWS} tokens, got {chunk_size}")
     check_gguf(model)  # typed error for a corrupt file before llama.cpp parses it
-    _init_llama()
+    init_llama()
     im = ImportanceMatrix(datasets=[dataset_name], chunk_size=chunk_size)
     collector = _Collector(im, collect_output)
 
@@ -163,7 +164,7 @@ def compute_imatrix(
     ctx = batch = None
     try:
         vocab = lc.llama_model_get_vocab(m)
-        n_threads = int(threads or default_threads())
+        n_threads = int(threads or inference_threads())
         cp = lc.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = chunk_size  # one chunk: one matmul per weight
         cp.n_seq_max = 1
@@ -208,7 +209,7 @@ def compute_imatrix(
             if collector.error is not None:
                 raise collector.error
             if rc != 0:
-                raise ModelLoadError(f"llama_decode failed with code {rc} on calibration chunk {c + 1}")
+                raise DecodeError(f"llama_decode failed with code {rc} on calibration chunk {c + 1}")
             im.chunk_count = c + 1
             if progress:
                 progress(c + 1, n_chunks)

@@ -3,7 +3,8 @@
 Vocabulary: ids 0..255 are single bytes, 256 is EOS. `script(history) -> next token`
 decides the argmax; the row puts logit 10 there and 0 elsewhere (or uses `dist` to
 return a fixed distribution). It records every decode call so tests can assert what
-the engine asked of it.
+the engine asked of it. It declares every member of `backends.base.Backend`
+(tests/test_backend_contract.py holds it to the same list as the real backends).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from localrun.backends.base import BatchEntry, ModelInfo, check_batch
 
 EOS = 256
 N_VOCAB = 257
+# K and V, f16, for make_info's one layer of one KV head of width 8
+KV_BYTES_PER_TOKEN = 2 * 1 * 1 * 8 * 2
 
 
 def make_info(**over) -> ModelInfo:
@@ -31,6 +34,8 @@ def make_info(**over) -> ModelInfo:
 
 class ScriptedBackend:
     name = "fake"
+    n_vocab = N_VOCAB
+    kv_cache_type = "f16"
 
     def __init__(
         self,
@@ -48,6 +53,7 @@ class ScriptedBackend:
         self.info = make_info()
         self.kv: dict[int, list[int]] = {s: [] for s in range(n_seq)}
         self.calls: list[list[BatchEntry]] = []
+        self.trim_error: Exception | None = None  # raised by a kv_trim that would drop positions
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -81,6 +87,8 @@ class ScriptedBackend:
         return out
 
     def kv_trim(self, seq: int, n_keep: int) -> None:
+        if self.trim_error is not None and len(self.kv[seq]) > n_keep:
+            raise self.trim_error
         del self.kv[seq][n_keep:]
 
     def kv_copy(self, src: int, dst: int, n: int) -> None:
@@ -99,6 +107,16 @@ class ScriptedBackend:
 
     def kv_tokens(self, seq: int) -> list[int]:
         return self.kv[seq]
+
+    def kv_state_bytes(self, seq: int) -> int:
+        return len(self.kv[seq]) * KV_BYTES_PER_TOKEN
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """How often each token occurs, L2-normalised: equal bags of tokens embed alike."""
+        if not 0 < len(tokens) <= self.n_ctx:
+            raise ValueError(f"embed: {len(tokens)} tokens, expected 1..{self.n_ctx}")
+        vec = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=N_VOCAB).astype(np.float32)
+        return vec / np.linalg.norm(vec)
 
     def close(self) -> None:
         pass

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+import typing
+
 import numpy as np
 import pytest
 
-from localrun.backends.base import BatchEntry
+from localrun.backends.base import Backend, BatchEntry
+from localrun.errors import CacheNotTrimmableError, DecodeError, LocalrunError
+from localrun.sampling import SamplingParams
+
+from fakes import ScriptedBackend, text_script
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
+GREEDY = SamplingParams(temperature=0)
 
 
 def fresh(engine, *seqs):
@@ -188,3 +196,168 @@ def test_kv_copy_mid_answer_is_exact_with_a_sliding_window_cache(gemma3_gguf):
         moved = np.array(last_row(be, 1, nxt, n))
         stayed = np.array(last_row(be, 2, nxt, n))
         np.testing.assert_array_equal(moved, stayed)
+
+
+# -- the declared contract: every member of base.Backend, with its type ---------------
+
+
+def protocol_methods() -> list[str]:
+    return [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
+
+
+def contract_gaps(backend) -> list[str]:
+    """Each member of the Backend protocol that `backend` lacks, holds with another type,
+    or takes with other parameter names (empty when it keeps the whole contract)."""
+    gaps = []
+    for name, kind in typing.get_type_hints(Backend).items():
+        if not hasattr(backend, name):
+            gaps.append(f"{name}: missing")
+            continue
+        value = getattr(backend, name)
+        # bool is an int in Python: a count must not be a flag, nor a flag a count
+        fits = type(value) is bool if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+        if not fits:
+            gaps.append(f"{name}: {type(value).__name__}, declared {kind.__name__}")
+    for name in protocol_methods():
+        method = getattr(backend, name, None)
+        if not callable(method):
+            gaps.append(f"{name}(): missing")
+            continue
+        declared = list(inspect.signature(getattr(Backend, name)).parameters)[1:]  # without self
+        if list(inspect.signature(method).parameters) != declared:
+            gaps.append(f"{name}(): takes {list(inspect.signature(method).parameters)}, declared {declared}")
+    return gaps
+
+
+def test_the_protocol_names_every_capability_the_engine_reads():
+    """The capabilities the engine, scheduler and server read, spelled out (a member
+    dropped from the Protocol, or one the fakes lack, fails here or below)."""
+    declared = set(typing.get_type_hints(Backend)) | set(protocol_methods())
+    assert {"can_interrupt", "batches_neighbours_only", "kv_state_bytes", "n_seq", "n_ctx", "n_batch", "n_vocab",
+            "kv_cache_type", "info", "clear_interrupt", "interrupt", "embed", "decode", "kv_trim", "kv_copy",
+            "kv_clear", "kv_tokens", "tokenize", "token_bytes", "token_text", "is_control", "close"} <= declared
+
+
+def test_each_backend_keeps_the_whole_contract(engine):
+    be = engine.backend
+    assert contract_gaps(be) == [] and isinstance(be, Backend)
+    assert be.n_vocab == engine.info.n_vocab and be.kv_cache_type == "f16"
+
+
+def test_the_scripted_fake_keeps_the_same_contract():
+    assert contract_gaps(ScriptedBackend()) == []
+
+
+def test_contract_gaps_names_what_is_wrong():
+    """The checker itself: a member missing, a count that is a flag, a renamed parameter."""
+
+    class Drifted(ScriptedBackend):
+        def kv_trim(self, seq: int, keep: int) -> None: ...
+
+    be = Drifted()
+    be.n_batch = True
+    gaps = contract_gaps(be)
+    assert "n_batch: bool, declared int" in gaps
+    assert any(g.startswith("kv_trim(): takes ['seq', 'keep']") for g in gaps)
+    assert {"info: missing", "decode(): missing"} <= set(contract_gaps(object()))
+
+
+def test_embed_is_a_unit_vector_that_tells_texts_apart(engine):
+    be = engine.backend
+    a, a_again = be.embed(be.tokenize("The cat sat on the mat.")), be.embed(be.tokenize("The cat sat on the mat."))
+    b = be.embed(be.tokenize("Quarterly revenue grew by four percent."))
+    assert a.ndim == 1 and a.dtype == np.float32 and abs(float(np.linalg.norm(a)) - 1) < 1e-4
+    np.testing.assert_allclose(a, a_again, atol=1e-5)
+    assert float(a @ b) < 0.999
+
+
+def test_kv_state_bytes_grows_with_the_cached_tokens(engine):
+    be = fresh(engine, 0)
+    toks = be.tokenize(PROMPT)
+    be.decode([BatchEntry(0, toks[:4], 0, 0)])
+    four = be.kv_state_bytes(0)
+    be.decode([BatchEntry(0, toks[4:8], 4, 0)])
+    eight = be.kv_state_bytes(0)
+    be.kv_clear(0)
+    assert 0 < four < eight
+
+
+# -- distinct errors: decode failed, cache cannot be cut --------------------------------
+
+
+def test_a_failed_llama_decode_is_a_decode_error_and_keeps_the_cache(llama_engine):
+    """llama_decode refuses a token outside the vocabulary (code -1): DecodeError, one
+    line, nothing of the batch kept, the next decode exact."""
+    be = fresh(llama_engine, 0)
+    head = be.tokenize(PROMPT)
+    before = np.array(be.decode([BatchEntry(0, head, 0, 1)])[0])
+    with pytest.raises(DecodeError) as exc:
+        be.decode([BatchEntry(0, [be.n_vocab + 7], len(head), 1)])
+    assert "code -1" in str(exc.value) and "\n" not in str(exc.value)
+    assert not isinstance(exc.value, CacheNotTrimmableError) and exc.value.http_status == 500
+    assert list(be.kv_tokens(0)) == head
+    be.kv_trim(0, len(head) - 1)
+    again = np.array(be.decode([BatchEntry(0, head[-1:], len(head) - 1, 1)])[0])
+    assert np.allclose(again, before, atol=1e-3)
+
+
+def _engine_with_a_cached_prompt(trim_error: Exception):
+    """A fake engine whose slot 0 holds "Q:abcd", and whose kv_trim raises `trim_error`."""
+    from localrun.engine import Engine
+
+    be = ScriptedBackend(text_script(b"ok"), n_seq=1)
+    be.kv[0] = list(b"Q:abcd")
+    be.trim_error = trim_error
+    return Engine(be)
+
+
+def test_a_cache_that_cannot_be_cut_is_read_afresh():
+    eng = _engine_with_a_cached_prompt(CacheNotTrimmableError("a rotating window is full"))
+    out = eng.complete("Q:xy", max_tokens=4, sampling=GREEDY)
+    assert out.text == "ok" and out.timings.cached_tokens == 0
+
+
+@pytest.mark.parametrize("error", [DecodeError("llama_decode failed"), LocalrunError("the disk is gone")])
+def test_any_other_trim_failure_reaches_the_caller_and_frees_the_slot(error):
+    """Once, any error from kv_trim read as "cannot be cut": a real failure went unseen."""
+    eng = _engine_with_a_cached_prompt(error)
+    with pytest.raises(type(error)):
+        eng.start("Q:xy", max_tokens=4)
+    assert eng.free_slots == 1
+    eng.backend.trim_error = None
+    assert eng.complete("Q:xy", max_tokens=4, sampling=GREEDY).text == "ok"
+
+
+# -- one set of load options ----------------------------------------------------------
+
+
+def _load_parameters(cls) -> dict[str, object]:
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # without self, path
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params), f"{cls.__name__} takes **kwargs or *args"
+    return {p.name: p.default for p in params}
+
+
+def test_both_backends_take_one_set_of_load_options():
+    from localrun.backends.llamacpp import LlamaCppBackend
+    from localrun.backends.mlx import MLXBackend
+
+    llama, mlx = _load_parameters(LlamaCppBackend), _load_parameters(MLXBackend)
+    assert {n: mlx.get(n, "absent") for n in llama} == llama  # same names, same defaults
+    assert set(mlx) - set(llama) == {"trust_remote_code"}
+
+
+@pytest.mark.parametrize(
+    "option, shown", [({"threads": 4}, "--threads 4"), ({"n_gpu_layers": 0}, "n_gpu_layers 0"),
+                      ({"workers": object()}, "--rpc")]
+)
+def test_mlx_refuses_llama_cpp_options_before_reading_anything(tmp_path, option, shown):
+    """The folder is empty: only a refusal that comes first can answer with this error."""
+    from localrun.backends.mlx import MLXBackend
+    from localrun.errors import BadRequestError
+
+    with pytest.raises(BadRequestError) as exc:
+        MLXBackend(tmp_path, **option)
+    msg = str(exc.value)
+    assert msg.startswith(shown) and "llama.cpp models only" in msg and "\n" not in msg
+    with pytest.raises(TypeError, match="unexpected keyword argument 'flash_attn'"):
+        MLXBackend(tmp_path, flash_attn=True)
