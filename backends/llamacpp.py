@@ -174,9 +174,9 @@ class LlamaCppBackend:
                 self._devices = rpc.device_array(rpc.local_gpus())
                 mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
             return None
-        from localrun.quant.selector import model_shape
+        from localrun.model_facts import facts
 
-        placement = rpc.placement_for(cluster, model_shape(Path(path)).n_layer)
+        placement = rpc.placement_for(cluster, facts(path).n_layer)
         if len(placement.devices) > _lc.llama_max_devices():
             raise ModelLoadError(f"{len(placement.devices)} devices, more than this llama.cpp's"
                                  f" {_lc.llama_max_devices()}: use fewer --rpc workers")

@@ -66,7 +66,8 @@ class ChatSession:
                 self.engine.close()
                 self.engine = None
                 self.model_name = ""
-            self.engine = self._open(path, n_ctx=self.n_ctx, threads=self.threads, kv_cache_type=self.kv_cache_type)
+            threads = None if Path(path).is_dir() else self.threads  # MLX sizes its own thread pool
+            self.engine = self._open(path, n_ctx=self.n_ctx, threads=threads, kv_cache_type=self.kv_cache_type)
             self.model_path = Path(path)
             self.model_name = name or display_name(Path(path))
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import store
+from ..chat_template import load_template_file
 from ..engine import Engine
 from ..errors import BadRequestError, LocalrunError, ModelLoadError, ModelNotFoundError, UnsupportedFormatError
 from .scheduler import QueueFullError, Scheduler
@@ -261,6 +262,7 @@ class ModelManager:
         kv_cache_type: str = "f16",
         allow_paths: bool = False,
         trust_remote_code: bool = False,
+        chat_template: str | None = None,
     ) -> None:
         self.configured = {display_name(m): m for m in models}  # name -> path or store name
         # a --model may be named by its listed name or exactly as it was given
@@ -274,6 +276,10 @@ class ModelManager:
         self.kv_cache_type = kv_cache_type
         self.allow_paths = allow_paths
         self.trust_remote_code = trust_remote_code
+        # --chat-template FILE: every model this server loads chats with it; read and checked
+        # now, so a broken file stops the server before it serves (the text is /api/show's)
+        self.chat_template_file = chat_template
+        self.chat_template = load_template_file(chat_template) if chat_template is not None else None
         self.store = StoreView()
         self.loaded: dict[str, Loaded] = {}  # by display name
         self._loading: dict[str, asyncio.Task] = {}  # by real path; each holds a --max-models place
@@ -414,10 +420,12 @@ class ModelManager:
     def _open_model(self, display: str, path: str) -> Loaded:
         if os.path.isdir(path):
             _check_remote_code(path, self.trust_remote_code)
-        options = dict(n_ctx=self.n_ctx, n_seq=self.parallel, threads=self.threads, n_batch=self.n_batch,
+        # --threads sizes llama.cpp's pool; MLX sizes its own and refuses the option
+        threads = None if os.path.isdir(path) else self.threads
+        options = dict(n_ctx=self.n_ctx, n_seq=self.parallel, threads=threads, n_batch=self.n_batch,
                        kv_cache_type=self.kv_cache_type)
         try:
-            engine = _open_engine(path, self.trust_remote_code, options)
+            engine = _open_engine(path, self.trust_remote_code, options, self.chat_template_file)
         except (UnsupportedFormatError, ModelLoadError) as exc:
             # the detail may quote the file's first bytes or list a folder: the log keeps it
             log.warning("could not load %s (%s): %s", display, path, exc)
@@ -506,10 +514,12 @@ def _check_remote_code(path: str, trusted: bool) -> None:
     check_remote_code(path, trusted, "start the server with --trust-remote-code")
 
 
-def _open_engine(path: str, trust_remote_code: bool, options: dict) -> Engine:
+def _open_engine(path: str, trust_remote_code: bool, options: dict, chat_template: str | None) -> Engine:
+    """`chat_template`: the --chat-template FILE, None for the model's own template."""
     if trust_remote_code and os.path.isdir(path):
         # Engine.open has no trust_remote_code: hand it to the backend directly
         from ..backends import open_backend
 
-        return Engine(open_backend(path, trust_remote_code=True, **options))
-    return Engine.open(path, **options)
+        template = load_template_file(chat_template) if chat_template is not None else None
+        return Engine(open_backend(path, trust_remote_code=True, **options), chat_template=template)
+    return Engine.open(path, chat_template=chat_template, **options)
