@@ -38,7 +38,7 @@ from urllib.parse import quote
 
 from localrun.errors import BadRequestError, LocalrunError, ModelNotFoundError
 from localrun.quant.atomic import atomic_output, replace_durably
-from localrun.quant.quant_types import SPLIT_SUFFIX, quant_from_filename
+from localrun.formats import SPLIT_SUFFIX, quant_from_filename
 from localrun.store import DOWNLOADS, models_dir, parse_name
 
 CHUNK = 1 << 20

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localrun.errors import ModelNotFoundError, UnsupportedFormatError
-from localrun.quant.quant_types import SPLIT_SUFFIX, quality_rank, quant_from_filename
+from localrun.formats import SPLIT_SUFFIX, quality_rank, quant_from_filename
 
 SOURCES = ("localrun", "hf-cache", "lmstudio")
 DOWNLOADS = ".downloads"

@@ -204,7 +204,7 @@ def _fit_rows(args):
 
 
 def cmd_fit(args) -> int:
-    from localrun.quant.quant_types import quality_rank
+    from localrun.formats import quality_rank
     from localrun.quant.selector import choose
 
     shape, quants, where = _fit_rows(args)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from localrun.errors import BadRequestError, LocalrunError
 from localrun.hardware import GIB, Hardware, format_bytes, probe
-from localrun.quant.quant_types import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
+from localrun.formats import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
 
 MIB = 1 << 20
 N_UBATCH = 512  # the llama.cpp backend's micro-batch (n_batch = n_ubatch = 512)
