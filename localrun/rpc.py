@@ -267,7 +267,7 @@ def availability() -> tuple[bool, str]:
     return True, "available: `localrun rpc-worker` serves this machine; --rpc HOST:PORT uses workers"
 
 
-def _rpc_function(name: str) -> int:
+def rpc_function(name: str) -> int:
     g = ggml()
     reg = g.rpc_registry()
     if not reg:
@@ -339,7 +339,7 @@ def connect(endpoints: list[Endpoint], tensor_split: tuple[float, ...] | None = 
                        " install the same llama-cpp-python on every machine")
     install_abort_hook(hellos)
     g = ggml()
-    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(_rpc_function("ggml_backend_rpc_add_server"))
+    add_server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(rpc_function("ggml_backend_rpc_add_server"))
     workers = []
     for ep in endpoints:
         key = str(ep)
@@ -573,54 +573,6 @@ def install_abort_hook(hellos: dict[str, Hello]) -> None:
     g.set_abort_callback(_ABORT_HOOK)
 
 
-# -- the worker ----------------------------------------------------------------------
-
-
-def served_devices() -> list[int]:
-    """What a worker offers, as llama.cpp's rpc-server chooses: accelerators, else the CPU."""
-    g = ggml()
-    devs = [d for d in g.devices() if g.dev_type(d) not in (DEV_CPU, DEV_ACCEL) and not g.is_rpc(d)]
-    return devs or [d for d in g.devices() if g.dev_type(d) == DEV_CPU][:1]
-
-
-# struct ggml_backend_device { struct ggml_backend_device_i iface; reg; context; } (ggml-backend-impl.h):
-# iface holds 15 function pointers, get_name first and get_memory third.
-_IFACE_SLOTS, _GET_NAME, _GET_MEMORY = 15, 0, 2
-_MEMORY_HOOKS: list = []  # keep the callbacks alive
-
-
-def report_memory(dev: int, offer) -> None:
-    """Make the CPU device answer `offer()` -> (free, total) bytes to memory queries.
-
-    The CPU backend says all physical RAM is free; a worker should say what it can spare
-    (`--mem`, else the RAM available now). ggml has no setter, so this worker process
-    replaces the get_memory pointer of its CPU device's interface, after checking that the
-    struct layout is the one expected (its get_name slot must be the device's name function
-    and the pointer after the interface its registry)."""
-    g = ggml()
-    slots = (ctypes.c_void_p * (_IFACE_SLOTS + 2)).from_address(dev)
-    name_fn = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(slots[_GET_NAME])
-    if slots[_IFACE_SLOTS] != g.dev_reg(dev) or name_fn(dev) != g.dev_name(dev):
-        raise LocalrunError("--mem: this llama.cpp's device layout is not the one localrun knows; run without --mem")
-    proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
-
-    def get_memory(_dev, free_p, total_p) -> None:
-        free, total = offer()
-        free_p[0], total_p[0] = int(free), int(total)
-
-    hook = proto(get_memory)
-    _MEMORY_HOOKS.append(hook)
-    slots[_GET_MEMORY] = ctypes.cast(hook, ctypes.c_void_p).value
-
-
-def start_server(endpoint: str, devices: list[int], threads: int, cache_dir: str | None = None) -> None:
-    """llama.cpp's server loop (blocks for good; returns only when it cannot listen)."""
-    fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
-                          ctypes.POINTER(ctypes.c_void_p))(_rpc_function("ggml_backend_rpc_start_server"))
-    arr = (ctypes.c_void_p * len(devices))(*devices)
-    fn(endpoint.encode(), cache_dir.encode() if cache_dir else None, threads, len(devices), arr)
-
-
 __all__ = ["Cluster", "DEFAULT_PORT", "Device", "Endpoint", "Hello", "NETWORK_WARNING", "Placement", "RpcError",
            "Worker", "active", "availability", "connect", "layer_owners", "parse_endpoints", "parse_tensor_split",
-           "placement_for", "plan", "probe"]
+           "placement_for", "plan", "probe", "rpc_function"]

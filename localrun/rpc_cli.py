@@ -7,6 +7,7 @@ this one, so `localrun --help` stays instant. The C glue lives in localrun/rpc.p
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -110,7 +111,59 @@ def print_fit_split(args, shape, est, workers: list[tuple[str, int]], local_free
     return all(r.fits for r in rows)
 
 
-# -- rpc-worker ----------------------------------------------------------------------
+# -- the worker: llama.cpp's server, from the library llama_cpp loaded -----------------
+
+
+def served_devices() -> list[int]:
+    """What a worker offers, as llama.cpp's rpc-server chooses: accelerators, else the CPU."""
+    from localrun import rpc
+
+    g = rpc.ggml()
+    devs = [d for d in g.devices() if g.dev_type(d) not in (rpc.DEV_CPU, rpc.DEV_ACCEL) and not g.is_rpc(d)]
+    return devs or [d for d in g.devices() if g.dev_type(d) == rpc.DEV_CPU][:1]
+
+
+# struct ggml_backend_device { struct ggml_backend_device_i iface; reg; context; } (ggml-backend-impl.h):
+# iface holds 15 function pointers, get_name first and get_memory third.
+_IFACE_SLOTS, _GET_NAME, _GET_MEMORY = 15, 0, 2
+_MEMORY_HOOKS: list = []  # keep the callbacks alive
+
+
+def report_memory(dev: int, offer) -> None:
+    """Make the CPU device answer `offer()` -> (free, total) bytes to memory queries.
+
+    The CPU backend says all physical RAM is free; a worker should say what it can spare
+    (`--mem`, else the RAM available now). ggml has no setter, so this worker process
+    replaces the get_memory pointer of its CPU device's interface, after checking that the
+    struct layout is the one expected (its get_name slot must be the device's name function
+    and the pointer after the interface its registry)."""
+    from localrun import rpc
+
+    g = rpc.ggml()
+    slots = (ctypes.c_void_p * (_IFACE_SLOTS + 2)).from_address(dev)
+    name_fn = ctypes.CFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(slots[_GET_NAME])
+    if slots[_IFACE_SLOTS] != g.dev_reg(dev) or name_fn(dev) != g.dev_name(dev):
+        raise LocalrunError("this llama.cpp's device struct is not the layout localrun knows: the worker cannot"
+                            " say how much memory it offers (run without --mem)")
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+
+    def get_memory(_dev, free_p, total_p) -> None:
+        free, total = offer()
+        free_p[0], total_p[0] = int(free), int(total)
+
+    hook = proto(get_memory)
+    _MEMORY_HOOKS.append(hook)
+    slots[_GET_MEMORY] = ctypes.cast(hook, ctypes.c_void_p).value
+
+
+def start_server(endpoint: str, devices: list[int], threads: int, cache_dir: str | None = None) -> None:
+    """llama.cpp's server loop (blocks for good; returns only when it cannot listen)."""
+    from localrun import rpc
+
+    fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                          ctypes.POINTER(ctypes.c_void_p))(rpc.rpc_function("ggml_backend_rpc_start_server"))
+    arr = (ctypes.c_void_p * len(devices))(*devices)
+    fn(endpoint.encode(), cache_dir.encode() if cache_dir else None, threads, len(devices), arr)
 
 
 def _check_bind(host: str, port: int) -> None:
@@ -198,9 +251,15 @@ def cmd_rpc_worker(args) -> int:
     if not usable:
         raise LocalrunError(f"rpc-worker cannot run: {why}")
     g = rpc.ggml()
-    devices = rpc.served_devices()
+    devices = served_devices()
     if g.dev_type(devices[0]) == rpc.DEV_CPU:
-        rpc.report_memory(devices[0], _memory_offer(args.mem))
+        try:
+            report_memory(devices[0], _memory_offer(args.mem))
+        except LocalrunError:
+            if args.mem is not None:
+                raise
+            print("warning: clients will see all of this machine's RAM as free (llama.cpp's CPU figure)",
+                  file=sys.stderr)
     elif args.mem is not None:
         raise BadRequestError("--mem caps what a CPU worker offers; this machine serves its GPUs, which report"
                               " their own free memory")
@@ -212,7 +271,7 @@ def cmd_rpc_worker(args) -> int:
         os.makedirs(cache_dir, exist_ok=True)
 
     endpoint = f"{args.host}:{args.port}"
-    server = threading.Thread(target=rpc.start_server, args=(endpoint, devices, threads, cache_dir),
+    server = threading.Thread(target=start_server, args=(endpoint, devices, threads, cache_dir),
                               name="rpc-server", daemon=True)
 
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
