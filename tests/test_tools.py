@@ -233,6 +233,8 @@ def parse_all(fmt, pieces, trigger_is_token=False):
 HERMES_ANSWER = f"Let me check.\n<tool_call>\n{W_CALL}\n</tool_call>\n<tool_call>\n{A_CALL}\n</tool_call>"
 CASES = {
     "hermes": (HERMES, HERMES_ANSWER),
+    "hermes bare": (HERMES, f"\n{W_CALL}\n{A_CALL}"),
+    "hermes fenced": (HERMES, f"```json\n{W_CALL}\n{A_CALL}\n```"),
     "mistral": (MISTRAL, f"[TOOL_CALLS][{W_CALL}, {A_CALL}]"),
     "llama3": (LLAMA3, "\n" + W_CALL.replace('"arguments"', '"parameters"') + "\n" + A_CALL.replace('"arguments"', '"parameters"')),
     "generic": (GENERIC, f"{W_CALL}\n{A_CALL}"),
@@ -242,7 +244,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_stream_parser_splits_content_and_calls_at_every_cut(name):
     fmt, answer = CASES[name]
-    want_text = "Let me check.\n" if name == "hermes" else ""
+    want_text = "Let me check.\n" if answer.startswith("Let") else ""
     want = [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
     for cut in range(len(answer) + 1):
         text, deltas = parse_all(fmt, [answer[:cut], answer[cut:]])
@@ -271,9 +273,12 @@ def test_markup_never_reaches_the_content():
 def test_an_unfinished_trigger_is_content_after_all():
     assert parse_all(HERMES, ["a <tool", "_c"]) == ("a <tool_c", [])
     assert parse_all(HERMES, ["x < y and <tool>"]) == ("x < y and <tool>", [])
-    # at-start formats: text that does not open with "{" stays text, braces included
+    # bare calls open the answer: text that does not open with "{" stays text, braces included
     assert parse_all(GENERIC, ["  hello {", "x}"]) == ("  hello {x}", [])
     assert parse_all(GENERIC, ["   "]) == ("   ", [])
+    assert parse_all(HERMES, ["``", "`json\n", "[1, 2]\n```"]) == ("```json\n[1, 2]\n```", [])
+    assert parse_all(HERMES, ["``", "`py"]) == ("```py", [])
+    assert parse_all(HERMES, [" ```json"]) == (" ```json", [])
 
 
 def test_a_control_token_trigger_is_reported_as_a_marker():
@@ -326,6 +331,12 @@ def test_hermes_grammar_per_choice(byte_tok):
     assert allows(g["none"], byte_tok, "Hello <tool_c>") and not allows(g["none"], byte_tok, one)
     assert allows(named, byte_tok, f"<tool_call>\n{A_CALL}\n</tool_call>") and not allows(named, byte_tok, one)
     assert allows(single, byte_tok, one) and not allows(single, byte_tok, two)
+    # bare calls at the start of the answer, as small models write them, held to the schema too
+    assert allows(g["auto"], byte_tok, f"{W_CALL}\n{A_CALL}") and allows(g["auto"], byte_tok, f"```json\n{W_CALL}\n```")
+    assert allows(g["auto"], byte_tok, f"\n```json\n{W_CALL}\n{A_CALL}\n```")
+    assert not allows(g["auto"], byte_tok, '{"name": "rm"}') and not allows(g["auto"], byte_tok, "```json\n{}\n```")
+    assert allows(g["auto"], byte_tok, "```json\n[1]\n```") and allows(g["auto"], byte_tok, "Text, then {braces}")
+    assert not allows(single, byte_tok, f"{W_CALL}\n{A_CALL}")
 
 
 def test_thinking_may_come_before_a_required_call(byte_tok):
@@ -340,11 +351,14 @@ def test_thinking_may_come_before_a_required_call(byte_tok):
 def test_other_formats_grammar(fmt, byte_tok):
     tools = parse_tools(RAW_TOOLS, "tools")
     w, a = (c.replace('"arguments"', f'"{fmt.args_key}"') for c in (W_CALL, A_CALL))
-    calls = fmt.trigger + fmt.head + w + fmt.separator + a + fmt.tail
-    auto, none = (call_grammar(fmt, tools, ToolChoice(c)) for c in ("auto", "none"))
+    calls = fmt.trigger + fmt.head + w + fmt.separator + a + fmt.tail if fmt.trigger else f"{w}\n{a}"
+    auto, none, required = (call_grammar(fmt, tools, ToolChoice(c)) for c in ("auto", "none", "required"))
     assert allows(auto, byte_tok, "Plain answer.") and allows(auto, byte_tok, calls)
-    assert not allows(none, byte_tok, calls) and allows(none, byte_tok, "Plain answer.")
+    assert allows(required, byte_tok, calls) and not allows(required, byte_tok, "Plain answer.")
+    assert allows(none, byte_tok, "Plain answer.")
     assert not allows(auto, byte_tok, calls.replace('"a": 1', '"a": "one"'))
+    if fmt.trigger:  # "none" bans the trigger; a bare-call format's JSON is just text there
+        assert not allows(none, byte_tok, calls)
 
 
 # -- the engine on the scripted backend --------------------------------------------------
@@ -375,6 +389,15 @@ def test_engine_streams_content_then_calls():
                         tools=RAW_TOOLS, sampling=GREEDY)
     assert done.text == "Checking.\n" and done.finish_reason == "tool_calls"
     assert [(c.name, c.arguments) for c in done.tool_calls] == [(c.name, c.arguments) for c in calls]
+
+
+def test_a_fenced_json_call_at_the_start_is_a_call():
+    """What Qwen2.5-Coder-0.5B writes under "auto" given its Hermes template."""
+    eng = tool_engine(f"```json\n{W_CALL}\n```".encode())
+    text, calls, events = chat(eng)
+    assert text == "" and [c.name for c in calls] == ["get_weather"] and events[-1].finish_reason == "tool_calls"
+    text, calls, _ = chat(tool_engine(b"```python\nprint(1)\n```"))
+    assert text == "```python\nprint(1)\n```" and calls == []
 
 
 def test_engine_holds_arguments_to_the_schema():

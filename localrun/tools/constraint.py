@@ -21,8 +21,8 @@ Choices: "required" and a named tool start the answer with the calls (after a
 `<think>` block where the template has one); `parallel_tool_calls: false` drops the
 repetition; "none" keeps only text that cannot contain the trigger. Formats whose calls
 stand at the start of the answer (trigger "") take text there only if it does not start
-with "{". A marker the vocabulary holds as one control token is named as that token
-(`<tool_call>`); control tokens never match text, so then TEXT needs no exclusion.
+with "{". A marker the vocabulary holds as one control token is named as that token, by
+id (`<[151657]>`); control tokens never match text, so then TEXT needs no exclusion.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from __future__ import annotations
 import json
 
 from ..grammar import Grammar
-from .formats import ToolFormat
+from .formats import BARE_FENCE, BARE_FENCE_END, BARE_SEPARATOR, ToolFormat
 from .spec import Tool, ToolChoice
 
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 TEXT = "/(?s:.*)/"
 WS = "/[ \\t\\r\\n]*/"
-PLAIN = "/[ \\t\\r\\n]*([^{ \\t\\r\\n](?s:.*))?/"  # text whose first non-space is not "{"
+# text that does not open with a bare call: its first non-space is not "{", nor "```json" then "{"
+PLAIN = "/(?s:.*)/ & ~/[ \\t\\r\\n]*(```json[ \\t\\r\\n]*)?\\{(?s:.*)/"
 
 
 def _regex_escape(text: str) -> str:
@@ -75,37 +76,47 @@ def call_grammar_text(
     control = dict(control or {})
     lit = _Literals(control)
     chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
-    lines = ["%llguidance {}"]
-    more = f"({lit(fmt.separator)} call)*" if parallel else ""
-    lines.append("calls: " + " ".join(item for item in (lit(fmt.head), "call", more, lit(fmt.tail)) if item))
-    lines.append("call: " + " | ".join(f"c{i}" for i in range(len(chosen))))
+    lines = ["%llguidance {}", "call: " + " | ".join(f"c{i}" for i in range(len(chosen)))]
     for i, tool in enumerate(chosen):
         opening = json.dumps(f'{{"name": "{tool.name}", "{fmt.args_key}": ')
         lines.append(f'c{i}: {opening} %json {json.dumps(tool.constrained_schema())} "}}"')
-
-    trigger_is_token = fmt.trigger in control
-    think = _think_rule(control) if fmt.think else None
-    if think:
-        lines.append(think)
-    prefix = "think? " if think else ""
     if fmt.trigger:
-        trig = lit(fmt.trigger)
-        if choice.mode == "none":
-            safe = TEXT if trigger_is_token else f"{TEXT} & ~/(?s:.*){_regex_escape(fmt.trigger)}(?s:.*)/"
-            lines.append(f"start: SAFE\nSAFE: {safe}")
-        elif choice.mode == "auto":
-            lead = f"lead: TEXT {trig}" if trigger_is_token else f"lead[lazy]: TEXT {trig}"
-            lines.append(f"start: TEXT | lead calls\n{lead}\nTEXT: {TEXT}")
-        else:
-            lines.append(f"start: {prefix}{trig} calls")
-    else:
-        if choice.mode == "none":
-            lines.append(f"start: PLAIN\nPLAIN: {PLAIN}")
-        elif choice.mode == "auto":
-            lines.append(f"start: PLAIN | WS calls\nPLAIN: {PLAIN}\nWS: {WS}")
-        else:
-            lines.append(f"start: {prefix}WS calls\nWS: {WS}")
+        more = f"({lit(fmt.separator)} call)*" if parallel else ""
+        lines.append("calls: " + " ".join(item for item in (lit(fmt.head), "call", more, lit(fmt.tail)) if item))
+    if fmt.bare:
+        more = f"({json.dumps(BARE_SEPARATOR)} call)*" if parallel else ""
+        # the fence with the spacing around it is one lexeme: llguidance's lexer never ends
+        # a lexeme that can still grow, and in "auto" TEXT grows over " ```json\n" up to
+        # the "{", so "spacing, then a fence" would never be split out of it
+        lines.append(f"bare: WS call {more} | FENCE call {more} FENCE_END\nWS: {WS}")
+        lines.append(f"FENCE: /[ \\t\\r\\n]*{_regex_escape(BARE_FENCE)}[ \\t\\r\\n]*/\n"
+                     f"FENCE_END: /[ \\t\\r\\n]*{_regex_escape(BARE_FENCE_END)}/")
+    lines.append(_start(fmt, choice, control, lit))
     return "\n".join(lines) + "\n"
+
+
+def _start(fmt: ToolFormat, choice: ToolChoice, control: dict[str, int], lit: _Literals) -> str:
+    """The start rule: what may stand before the calls, per tool choice."""
+    trigger_is_token = fmt.trigger in control
+    trig = lit(fmt.trigger) if fmt.trigger else ""
+    if choice.mode == "none":  # text only, and the trigger cannot occur in it
+        if not fmt.trigger or trigger_is_token:
+            return f"start: ANY\nANY: {TEXT}"
+        return f"start: SAFE\nSAFE: {TEXT} & ~/(?s:.*){_regex_escape(fmt.trigger)}(?s:.*)/"
+    if choice.mode in ("required", "named"):  # the calls come first (after any thinking)
+        think = _think_rule(control) + "\n" if fmt.think else ""
+        prefix = "think? " if fmt.think else ""
+        return f"{think}start: {prefix}{trig} calls" if fmt.trigger else f"{think}start: {prefix}bare"
+    # auto: text, or calls after text that runs up to the trigger, or bare calls at the start
+    text = PLAIN if fmt.bare else TEXT
+    options = ["TEXT"]
+    rules = [f"TEXT: {text}"]
+    if fmt.trigger:
+        options.append("lead calls")
+        rules.append(f"lead: TEXT {trig}" if trigger_is_token else f"lead[lazy]: TEXT {trig}")
+    if fmt.bare:
+        options.append("bare")
+    return "start: " + " | ".join(options) + "\n" + "\n".join(rules)
 
 
 def _think_rule(control: dict[str, int]) -> str:

@@ -4,21 +4,23 @@ A template that never reads the `tools` variable cannot show tools to the model:
 no tool support (`detect_format` returns None). Otherwise the markers it prints for past
 calls say which format the model was trained to write:
 
-    hermes   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (Qwen, Hermes)
+    hermes   <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>   (Qwen, Hermes)
              calls follow each other after a newline; text may come first.
     mistral  [TOOL_CALLS][{"name": "f", "arguments": {...}}, {...}]
     llama3   {"name": "f", "parameters": {...}}   as the whole answer (Llama 3.1-3.3)
     generic  {"name": "f", "arguments": {...}}    as the whole answer: any other template
              that reads `tools` (the shape most models fall back to)
 
-Every format is the same skeleton, which the call grammar and the stream parser share:
-`trigger head CALL (separator CALL)* tail`, where CALL is the JSON object
-`{"name": NAME, "<args_key>": ARGUMENTS}` with the keys in that order. A format whose
-trigger is "" calls only at the very start of the answer ("{" there starts the calls).
+A triggered format writes `trigger head CALL (separator CALL)* tail`, where CALL is the
+JSON object `{"name": NAME, "<args_key>": ARGUMENTS}` with the keys in that order. A
+format with `bare` calls also takes CALLs, one per line, as the whole answer, optionally
+in a ```json fence: small models given a Hermes template (Qwen2.5-Coder-0.5B among them)
+answer that way more often than with the tags, and llama.cpp accepts it too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -28,11 +30,12 @@ _READS_TOOLS = re.compile(r"\btools\b")
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
-    trigger: str  # the text that starts the calls; "" = only at the start of the answer
+    trigger: str  # the text that starts the calls anywhere in the answer; "" = none
     head: str  # after the trigger, before the first call
     separator: str  # between two calls
     tail: str  # after the last call
     args_key: str = "arguments"
+    bare: bool = False  # calls may also be the whole answer: bare JSON objects (BARE_* below)
     think: bool = False  # the template writes <think>...</think> before an answer
 
     @property
@@ -48,10 +51,14 @@ class ToolFormat:
         return tuple(dict.fromkeys(found))
 
 
-HERMES = ToolFormat("hermes", "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>")
+HERMES = ToolFormat("hermes", "<tool_call>", "\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>", bare=True)
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "[", ", ", "]")
-LLAMA3 = ToolFormat("llama3", "", "", "\n", "", args_key="parameters")
-GENERIC = ToolFormat("generic", "", "", "\n", "")
+LLAMA3 = ToolFormat("llama3", "", "", "", "", args_key="parameters", bare=True)
+GENERIC = ToolFormat("generic", "", "", "", "", bare=True)
+# bare calls: one per line, the whole answer, optionally fenced as ```json ... ```
+BARE_SEPARATOR = "\n"
+BARE_FENCE = "```json"
+BARE_FENCE_END = "```"
 
 
 def supports_tools(template: str | None) -> bool:
@@ -72,4 +79,4 @@ def detect_format(template: str | None) -> ToolFormat | None:
         fmt = LLAMA3
     else:
         fmt = GENERIC
-    return ToolFormat(fmt.name, fmt.trigger, fmt.head, fmt.separator, fmt.tail, fmt.args_key, think) if think else fmt
+    return dataclasses.replace(fmt, think=True) if think else fmt

@@ -24,7 +24,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from .formats import ToolFormat
+from .formats import BARE_FENCE, ToolFormat
 
 
 @dataclass
@@ -116,11 +116,11 @@ class CallStream:
         self.fmt = fmt
         self.trigger_is_token = trigger_is_token
         self._new_id = new_id
-        # "start": formats calling at the start, before the first non-space character;
+        # "start": formats with bare calls, until the answer's opening is known;
         # "text": content (looking for the trigger); "plain": content for good;
         # "between": markup before a call object; "call": inside one
-        self.state = "start" if not fmt.trigger else "text"
-        self._held = ""  # content that may be the start of the trigger (or leading space)
+        self.state = "start" if fmt.bare else "text"
+        self._held = ""  # text that may still open a call (the trigger's start, spacing, a fence)
         self.n_calls = 0
         self._out: dict[int, ToolCallDelta] = {}
         # inside a call object
@@ -149,19 +149,7 @@ class CallStream:
                 content.append(shown)
                 continue
             if self.state == "start":
-                c = text[i]
-                if c in _WS:
-                    self._held += c
-                elif c == "{":
-                    self._held = ""
-                    self.state = "between"
-                    continue
-                else:
-                    content.append(self._held)
-                    self._held = ""
-                    self.state = "plain"
-                    continue
-                i += 1
+                text, i = self._opening(text[i:]), 0
                 continue
             if self.state == "between":
                 if text[i] == "{":
@@ -174,7 +162,7 @@ class CallStream:
 
     def feed_marker(self, marker: str) -> tuple[str, list[ToolCallDelta]]:
         """A marker produced as a control token (it has no text of its own)."""
-        if self.state == "text" and marker == self.fmt.trigger:
+        if self.state in ("text", "start") and marker == self.fmt.trigger:
             held, self._held = self._held, ""
             self.state = "between"
             return held, []
@@ -182,11 +170,34 @@ class CallStream:
 
     def flush(self) -> str:
         """Content still held back when the answer ends (a trigger's start that never
-        completed, or a blank answer's spacing)."""
+        completed, a blank answer's spacing, a lone fence)."""
         held, self._held = self._held, ""
         return held if self.state in ("text", "start") else ""
 
     # -- content -----------------------------------------------------------------
+
+    def _opening(self, text: str) -> str:
+        """State "start": hold the answer's opening until it shows whether bare calls
+        follow ("{" or "```json" then "{" after any spacing) or text; returns what is
+        left to read in the new state ("" while still undecided)."""
+        buf = self._held + text
+        rest = buf.lstrip(_WS)
+        if rest.startswith(BARE_FENCE):
+            after = rest[len(BARE_FENCE):].lstrip(_WS)
+            if not after:
+                self._held = buf
+                return ""
+            if after[0] == "{":
+                self._held, self.state = "", "between"
+                return after
+        elif not rest or BARE_FENCE.startswith(rest):
+            self._held = buf
+            return ""
+        elif rest[0] == "{":
+            self._held, self.state = "", "between"
+            return rest
+        self._held, self.state = "", "text" if self.fmt.trigger else "plain"
+        return buf
 
     def _scan_text(self, text: str, i: int) -> tuple[str, int]:
         """Content from text[i:] up to the trigger (state -> "between" after it), holding
