@@ -410,3 +410,20 @@ def test_mlx_ring_of_three_ranks_matches_one_process(smollm2_mlx):
     assert ring.returncode == 0, ring.stderr[-2000:]
     assert ring.stdout == one.stdout and one.stdout.strip()
     assert "rank 1 of 3 ready" in ring.stderr and "rank 2 of 3 ready" in ring.stderr
+
+
+@needs_rpc
+def test_worker_offers_what_mem_says(tmp_path):
+    """--mem is what a client reads from the registered device (and what the split follows)."""
+    worker = WorkerProcess(tmp_path, "--mem", "512")
+    try:
+        assert "CPU (512 MB offered)" in worker.stderr()
+        code = ("from localrun import rpc; import sys; "
+                "c = rpc.connect(rpc.parse_endpoints(sys.argv[1]), activate=False); "
+                "print(c.workers[0].free, c.workers[0].devices[0].total)")
+        res = subprocess.run([sys.executable, "-c", code, worker.endpoint], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        free, total = map(int, res.stdout.split())
+        assert total == 512 << 20 and 0 < free <= total
+    finally:
+        assert worker.stop() == 0
