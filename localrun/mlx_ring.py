@@ -32,7 +32,6 @@ from pathlib import Path
 from localrun.errors import BadRequestError, LocalrunError, UnsupportedFormatError
 
 DECODE, TRIM, COPY, CLEAR, STOP = 1, 2, 3, 4, 5
-START_TIMEOUT = 600.0  # seconds for the other ranks to load and join the ring (they read the whole model)
 
 
 def _mx():
