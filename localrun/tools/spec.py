@@ -132,8 +132,7 @@ def parse_tools(raw, where: str = "tools") -> tuple[Tool, ...]:
     for i, item in enumerate(raw):
         at = f"{where}[{i}]"
         tool = item if isinstance(item, Tool) else _parse_one(item, at)
-        if isinstance(item, Tool):
-            _check_name(tool.name, f"{at}.name")
+        if isinstance(item, Tool):  # its name was checked when it was made
             _check_schema(tool, f"{at}.parameters")
         if tool.name in seen:
             raise BadRequestError(f"'{at}.function.name' {tool.name!r} repeats {where}[{seen[tool.name]}]")
