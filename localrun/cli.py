@@ -97,6 +97,9 @@ def _add_model(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--no-lookup", dest="lookup", action="store_false", help="turn prompt-lookup speculative decoding off")
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template used instead of the model's own (e.g. one with tool support)")
+    from .rpc_cli import add_rpc_flags
+
+    add_rpc_flags(p)  # --rpc, --tensor-split
 
 
 def sampling_from_args(args: argparse.Namespace):
@@ -140,6 +143,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling=sampling_from_args(args), max_tokens=args.max_tokens, stop=args.stop,
         lookup=args.lookup, grammar=grammar_from_args(args),
     )
+    from .rpc_cli import apply_rpc_flags
+
+    apply_rpc_flags(args)  # --rpc workers: probed and registered before the model loads
     with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type,
                      chat_template=args.chat_template) as engine:
         if args.raw:
@@ -167,12 +173,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         from .chat_template import load_template_file
 
         load_template_file(args.chat_template)
+    from .rpc_cli import apply_rpc_flags
+
+    apply_rpc_flags(args)
     return run_chat(args)
 
 
 # Modules that add their own subcommands (`add_commands(subparsers)`); each imports only
 # argparse at load time, so `localrun --help` stays instant.
-COMMAND_MODULES = ["localrun.quant.cli", "localrun.server.command", "localrun.store_cli"]
+COMMAND_MODULES = ["localrun.quant.cli", "localrun.server.command", "localrun.store_cli", "localrun.rpc_cli",
+                   "localrun.mlx_ring"]
 
 
 def build_parser() -> argparse.ArgumentParser:

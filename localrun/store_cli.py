@@ -161,8 +161,9 @@ class _Bar:
 
 def cmd_pull(args) -> int:
     from localrun.hub import pull
+    from localrun.rpc_cli import with_workers
 
-    budget = _budget(args)
+    budget, _ = with_workers(args, _budget(args))  # --rpc: the workers' free memory counts too
     try:
         plan, path = pull(args.name, n_ctx=args.ctx, budget=budget, kv_type=args.kv_cache_type, progress=_Bar(),
                           announce=lambda msg: print(msg, file=sys.stderr), allow_unverified=args.allow_unverified)
@@ -206,9 +207,11 @@ def _fit_rows(args):
 def cmd_fit(args) -> int:
     from localrun.formats import quality_rank
     from localrun.quant.selector import choose
+    from localrun.rpc_cli import print_fit_split, with_workers
 
     shape, quants, where = _fit_rows(args)
-    budget = _budget(args)
+    local = _budget(args)
+    budget, workers = with_workers(args, local)  # --rpc: each worker's free memory, asked from its device
     choice = choose(shape, quants, args.ctx, budget, args.kv_cache_type)
     rows = [["", "QUANT", "SIZE", "KV", "NEEDS", "VERDICT"]]
     for est in sorted(choice.estimates, key=lambda e: -quality_rank(e.quant)):
@@ -222,6 +225,8 @@ def cmd_fit(args) -> int:
         print(f"nothing fits: {choice.note}")
         return 1
     print(f"pick: {choice.pick.explain()} ({choice.note})")
+    if workers and not print_fit_split(args, shape, choice.pick, workers, local.vram or local.ram):
+        return 1
     return 0
 
 
@@ -272,6 +277,8 @@ def _memory_flags(p) -> None:
 
 
 def add_commands(sub) -> None:
+    from localrun.rpc_cli import add_rpc_flags
+
     def cmd(name, func, help_text):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--models-dir", default=None, help="the models folder (default: $LOCALRUN_MODELS or the data folder)")
@@ -291,10 +298,12 @@ def add_commands(sub) -> None:
     p.add_argument("--allow-unverified", action="store_true",
                    help="download files the Hub gives no hash for (their bytes cannot be checked)")
     _memory_flags(p)
+    add_rpc_flags(p)
     p = cmd("fit", cmd_fit, "which quants of a model fit this machine")
     p.add_argument("model", help="a path, an installed name, or a Hub repo org/repo")
     p.add_argument("--hub", action="store_true", help="list the Hub repo's quants even when some are installed")
     _memory_flags(p)
+    add_rpc_flags(p)
     cmd("doctor", cmd_doctor, "hardware, usable backends and model folders")
 
 

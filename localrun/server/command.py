@@ -29,12 +29,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadRequestError(f"--max-models must be at least 1, got {args.max_models}")
     if args.batch < 16:
         raise BadRequestError(f"--batch must be at least 16 tokens, got {args.batch}")
+    from ..rpc_cli import apply_rpc_flags
+
+    apply_rpc_flags(args, announce=True)  # --rpc workers: probed and registered once; every GGUF load uses them
     manager = ModelManager(
         args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
         args.batch, args.max_models, kv_cache_type=args.kv_cache_type, allow_paths=args.allow_paths,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, chat_template=args.chat_template,
     )
-    _log_to_stderr()
+    _log_to_stderr(args.log_level)
     app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body, args.host)
     print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)",
           file=sys.stderr)
@@ -55,14 +58,14 @@ def _check_model(name: str, trust_remote_code: bool) -> None:
         check_remote_code(path, trust_remote_code, "add --trust-remote-code if you trust it")
 
 
-def _log_to_stderr() -> None:
+def _log_to_stderr(level: str = "info") -> None:
     """The server's own log lines (load, unload, internal errors with their traceback)."""
     log = logging.getLogger("localrun")
+    log.setLevel(level.upper())
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("localrun %(levelname)s: %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
         log.propagate = False
 
 
@@ -79,6 +82,8 @@ def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="serve models over HTTP (OpenAI, Ollama and llama-server APIs)")
     p.add_argument("--model", action="append", default=None, metavar="MODEL",
                    help="a .gguf file, an MLX folder or a store name (repeatable; the first is the default)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="what the server logs to stderr (default info: loads, unloads, internal errors)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--parallel", type=int, default=4, help="requests decoded together per model (default 4)")
@@ -100,9 +105,15 @@ def add_commands(sub) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="load MLX models whose config asks to run Python code shipped with them (model_file,"
                    " auto_map); that code runs with this server's rights (default: such models are refused)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template used instead of every served model's own (as llama-server's"
+                   " --chat-template-file), e.g. one that renders tools for a model whose template has none")
     p.add_argument("--keep-alive", default="5m", help="unload a model idle this long (Ollama syntax; -1 = never)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="allow this browser origin (repeatable; default: localhost pages and VS Code webviews)")
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
+    from ..rpc_cli import add_rpc_flags
+
+    add_rpc_flags(p)
     p.set_defaults(func=cmd_serve)
