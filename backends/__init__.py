@@ -56,6 +56,7 @@ def open_backend(path: str | Path, **kwargs) -> Backend:
     none: a GGUF holds no code). An unknown keyword is a TypeError on either."""
     from localrun.store import resolve_model
 
+    trust_remote_code = kwargs.pop("trust_remote_code", False)  # a GGUF holds no code to trust
     if "kv_cache_type" in kwargs:  # a bad value fails before a model is read
         kwargs["kv_cache_type"] = check_kv_cache_type(kwargs["kv_cache_type"])
     p = resolve_model(str(path))
@@ -69,4 +70,4 @@ def open_backend(path: str | Path, **kwargs) -> Backend:
         return LlamaCppBackend(p, **kwargs)
     from .mlx import MLXBackend
 
-    return MLXBackend(p, **kwargs)
+    return MLXBackend(p, trust_remote_code=trust_remote_code, **kwargs)

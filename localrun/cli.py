@@ -97,6 +97,9 @@ def _add_model(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--no-lookup", dest="lookup", action="store_false", help="turn prompt-lookup speculative decoding off")
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template used instead of the model's own (e.g. one with tool support)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="load an MLX model whose config asks to run Python code shipped with it (model_file,"
+                   " auto_map); that code runs with your rights (default: such models are refused)")
     from .rpc_cli import add_rpc_flags
 
     add_rpc_flags(p)  # --rpc, --tensor-split
@@ -147,7 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     apply_rpc_flags(args)  # --rpc workers: probed and registered before the model loads
     with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type,
-                     chat_template=args.chat_template) as engine:
+                     chat_template=args.chat_template, trust_remote_code=args.trust_remote_code) as engine:
         if args.raw:
             tokens = engine.tokenize(prompt)
         else:

@@ -152,9 +152,11 @@ class Engine:
         n_batch: int = 512,
         kv_cache_type: str | None = None,
         chat_template: str | Path | None = None,
+        trust_remote_code: bool = False,
     ) -> "Engine":
         """kv_cache_type: "f16" (None means f16), "q8_0" or "q4_0", the KV cache's element type.
-        chat_template: a Jinja template FILE used instead of the model's own."""
+        chat_template: a Jinja template FILE used instead of the model's own.
+        trust_remote_code: let an MLX folder whose config names its own Python code load."""
         from localrun.backends import check_kv_cache_type
 
         if n_ctx is not None and n_ctx < 16:
@@ -163,7 +165,8 @@ class Engine:
         template = chat_template_module.load_template_file(chat_template) if chat_template is not None else None
         return cls(
             open_backend(
-                path, n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch, kv_cache_type=kv_cache_type
+                path, n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch, kv_cache_type=kv_cache_type,
+                trust_remote_code=trust_remote_code,
             ),
             chat_template=template,
         )

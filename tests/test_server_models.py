@@ -346,11 +346,11 @@ def test_an_mlx_folder_that_ships_code_is_refused_unless_trusted(tmp_path, opene
 
     trusted_opens = []
 
-    def open_backend(path, **options):
+    def open_engine(path, **options):
         trusted_opens.append(options.get("trust_remote_code"))
-        return ClosableBackend(str(path))
+        return Engine(ClosableBackend(str(path)))
 
-    monkeypatch.setattr("localrun.backends.open_backend", open_backend)
+    monkeypatch.setattr(Engine, "open", open_engine)
 
     async def trusted():
         mgr = manager(allow_paths=True, trust_remote_code=True)

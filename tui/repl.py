@@ -16,7 +16,9 @@ def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
     sampling = sampling_from_args(args)
     kv = getattr(args, "kv_cache_type", "f16")
-    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=kv) as engine:
+    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=kv,
+                     chat_template=getattr(args, "chat_template", None),
+                     trust_remote_code=getattr(args, "trust_remote_code", False)) as engine:
         system = [{"role": "system", "content": args.system}] if args.system else []
         history: list[dict] = []
         interactive = stdin.isatty()

@@ -516,10 +516,4 @@ def _check_remote_code(path: str, trusted: bool) -> None:
 
 def _open_engine(path: str, trust_remote_code: bool, options: dict, chat_template: str | None) -> Engine:
     """`chat_template`: the --chat-template FILE, None for the model's own template."""
-    if trust_remote_code and os.path.isdir(path):
-        # Engine.open has no trust_remote_code: hand it to the backend directly
-        from ..backends import open_backend
-
-        template = load_template_file(chat_template) if chat_template is not None else None
-        return Engine(open_backend(path, trust_remote_code=True, **options), chat_template=template)
-    return Engine.open(path, chat_template=chat_template, **options)
+    return Engine.open(path, chat_template=chat_template, trust_remote_code=trust_remote_code, **options)
