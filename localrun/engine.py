@@ -24,7 +24,7 @@ from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted, Model
 
 from . import chat_template as chat_template_module
 from . import slots
-from .errors import BadRequestError, ContextExceededError, LocalrunError
+from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
@@ -221,8 +221,6 @@ class Engine:
             raise RuntimeError("every sequence slot is busy")
         room = self.n_ctx - len(tokens)
         seq, n_keep = self._pick_slot(tokens)
-        from .errors import CacheNotTrimmableError
-
         try:
             self.backend.kv_trim(seq, n_keep)
         except CacheNotTrimmableError:  # an MLX rotating window: read the whole prompt afresh
@@ -404,7 +402,7 @@ class Engine:
         if g.n_cached < fed and not g.done:
             try:
                 self.backend.kv_trim(g.seq, g.n_cached)
-            except LocalrunError:  # a cache that cannot be cut (an MLX rotating window)
+            except CacheNotTrimmableError:  # an MLX rotating window: read the history again
                 self.backend.kv_clear(g.seq)
                 g.n_cached = 0  # the next steps read the history again
                 g.lookup = None  # and stop drafting, which would need the cut again

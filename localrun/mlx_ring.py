@@ -84,8 +84,8 @@ def _open_sharded(path: str, group, **options):
     from localrun.backends.mlx import MLXBackend
 
     backend = MLXBackend(path, **options)
-    model = backend._model
-    check_shardable(model, backend._config, group.size())
+    model = backend.model
+    check_shardable(model, backend.config, group.size())
     model.shard(group)
     _mx().eval(model.parameters())  # keep this rank's slices, free the rest
     return backend

@@ -35,7 +35,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from localrun.backends.llamacpp import default_threads
+from localrun.hardware import inference_threads
 
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "bench_peers.py"
@@ -214,7 +214,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", help="file/dir names in the test-model cache, or paths")
-    ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument("--threads", type=int, default=inference_threads())
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
