@@ -19,6 +19,11 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 
+# The tokens one decode may carry unless the caller says otherwise (Engine.open, run,
+# chat, fit); `serve --batch` defaults to less. llama.cpp sizes its compute buffers by it.
+DEFAULT_N_BATCH = 512
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     path: str

@@ -33,7 +33,7 @@ from localrun.errors import (
 )
 from localrun.formats import check_kv_cache_type
 
-from .base import BatchEntry, KvLedger, ModelInfo, check_batch
+from .base import DEFAULT_N_BATCH, BatchEntry, KvLedger, ModelInfo, check_batch
 
 if TYPE_CHECKING:
     from localrun.rpc import Cluster
@@ -172,7 +172,7 @@ class MLXBackend:
         path: str | os.PathLike,
         n_ctx: int | None = None,
         n_seq: int = 1,
-        n_batch: int = 512,
+        n_batch: int = DEFAULT_N_BATCH,
         threads: int | None = None,
         n_gpu_layers: int = -1,
         kv_cache_type: str = "f16",

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from localrun.backends import open_backend
-from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted, ModelInfo
+from localrun.backends.base import DEFAULT_N_BATCH, Backend, BatchEntry, DecodeInterrupted, ModelInfo
 
 from . import chat_template as chat_template_module
 from . import slots
@@ -149,7 +149,7 @@ class Engine:
         n_ctx: int | None = None,
         n_seq: int = 1,
         threads: int | None = None,
-        n_batch: int = 512,
+        n_batch: int = DEFAULT_N_BATCH,
         kv_cache_type: str | None = None,
         chat_template: str | Path | None = None,
         trust_remote_code: bool = False,

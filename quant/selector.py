@@ -28,10 +28,14 @@ from pathlib import Path
 
 from localrun.errors import BadRequestError, LocalrunError
 from localrun.hardware import GIB, Hardware, format_bytes, probe
+from localrun.backends.base import DEFAULT_N_BATCH
 from localrun.formats import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
 
 MIB = 1 << 20
-N_UBATCH = 512  # the llama.cpp backend's micro-batch (n_batch = n_ubatch = 512)
+# The llama.cpp backend's micro-batch: n_ubatch = n_batch, by default DEFAULT_N_BATCH (what
+# run, chat and fit load with). `serve --batch` defaults to 256, which only shrinks these
+# buffers, so a verdict made here also holds for a served model.
+N_UBATCH = DEFAULT_N_BATCH
 LLAMA_SWA_FULL = True  # backends/llamacpp.py keeps llama.cpp's default (full-size SWA cache)
 # Measured with scripts/fit_accuracy.py: RSS of the interpreter with each runtime imported
 # (llama.cpp: 48 MiB for Python + the library, ~18 MiB of threads and graph metadata).
