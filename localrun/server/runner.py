@@ -60,6 +60,7 @@ class Result:
     timings: Timings = field(default_factory=Timings)
     top_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)
+    tool_calls: list = field(default_factory=list)  # ToolCallDelta, in order (localrun.tools.collect_calls joins them)
 
 
 async def collect(request: Request, model: Loaded, job: Job) -> Result:
@@ -73,6 +74,7 @@ async def collect(request: Request, model: Loaded, job: Job) -> Result:
             out.tokens.extend(ev.tokens)
             out.top_probs.extend(ev.top_probs or [])
             out.token_probs.extend(ev.token_probs or [])
+            out.tool_calls.extend(ev.tool_calls or ())
             if ev.finish_reason:
                 out.finish_reason = ev.finish_reason
                 out.timings = ev.timings or out.timings
