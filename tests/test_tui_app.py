@@ -375,3 +375,35 @@ async def test_bad_model_path_fails_before_the_chat(tui_env):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.startup_error is not None, what="the load error")
     assert "GGUF" in str(app.startup_error) or "gguf" in str(app.startup_error)
+
+
+async def test_tool_call_in_an_answer_shows_as_a_readable_block(tui_env, monkeypatch):
+    """An answer's tool calls (the engine's deltas: a name first, then argument fragments)
+    are drawn as fenced `🔧 name(arguments)` blocks among the answer's text, never as the
+    model's markup. A block closes when another call begins, when text follows, and when
+    the answer ends."""
+    from localrun.engine import Timings
+    from localrun.tools import ToolCallDelta
+    from localrun.tui.session import Reply
+
+    app = make_app(SMOL_NAME)
+
+    def scripted_reply(messages, settings, cancel, on_text):
+        on_text("Let me look.", Timings())
+        on_text("", Timings(), [ToolCallDelta(0, "call_" + "a" * 24, "get_weather", '{"city": ')])
+        on_text("", Timings(), [ToolCallDelta(0, None, None, '"Paris"}'),
+                                ToolCallDelta(1, "call_" + "b" * 24, "get_time", '{"zone": "CET"}')])
+        on_text("And:", Timings())
+        on_text("", Timings(), [ToolCallDelta(2, "call_" + "c" * 24, "get_date", "{}")])
+        return Reply("Let me look.And:", "tool_calls", Timings(), 10, 0, app.session.model_name)
+
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        monkeypatch.setattr(app.session, "reply", scripted_reply)
+        await send(pilot, "Weather in Paris?")
+        await answered(pilot)
+        shown = app.query(".assistant").last().source
+        block = "\n\n```\n🔧 {}\n```\n\n".format
+        assert shown == ("Let me look." + block('get_weather({"city": "Paris"})') + block('get_time({"zone": "CET"})')
+                         + "And:" + block("get_date({})"))
+        assert app.messages[-1] == {"role": "assistant", "content": "Let me look.And:"}

@@ -11,6 +11,7 @@ backend step and the text written so far stays in the chat.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from pathlib import Path
@@ -22,7 +23,7 @@ from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Markdown, ProgressBar
 
-from localrun.engine import Timings
+from localrun.engine import Engine, Timings
 from localrun.errors import LocalrunError, ModelNotFoundError
 
 from .conversations import Conversation, ConversationConflictError, ConversationStore, default_title
@@ -40,9 +41,43 @@ WELCOME = "Type a message — **Enter** sends, **Esc** stops the answer, **F1** 
 
 
 class AnswerChunk(Message):
-    def __init__(self, text: str, timings: Timings) -> None:
+    def __init__(self, text: str, timings: Timings, tool_calls: list | None = None) -> None:
         super().__init__()
-        self.text, self.timings = text, timings
+        self.text, self.timings, self.tool_calls = text, timings, tool_calls
+
+
+class ToolCallBlocks:
+    """Writes an answer's tool calls into its Markdown as readable blocks, never as the
+    model's markup: each call a fenced block `🔧 name(arguments)` that grows as the
+    engine's deltas (localrun.tools.ToolCallDelta: index, name on a call's first delta,
+    argument fragments) arrive. Arguments are JSON, whose strings hold no raw newline, so
+    no line of them can close the fence."""
+
+    OPEN, CLOSE = "\n\n```\n🔧 ", ")\n```\n\n"
+
+    def __init__(self) -> None:
+        self._open: int | None = None  # index of the call whose block is still open
+
+    def text(self, piece: str) -> str:
+        """Markdown for a piece of answer text: it follows the open block, if any."""
+        return self.close() + piece if piece else ""
+
+    def calls(self, deltas) -> str:
+        out = []
+        for d in deltas:
+            if d.index != self._open:
+                out.append(self.close())
+                out.append(f"{self.OPEN}{d.name or 'tool'}(")
+                self._open = d.index
+            out.append(d.arguments)
+        return "".join(out)
+
+    def close(self) -> str:
+        """Ends the open block (at the answer's end, or when text or another call follows)."""
+        if self._open is None:
+            return ""
+        self._open = None
+        return self.CLOSE
 
 
 class AnswerDone(Message):
@@ -97,6 +132,7 @@ class ChatApp(SlashCommands, App):
         self._cancel = threading.Event()
         self._answer: Markdown | None = None
         self._stream = None
+        self._calls = ToolCallBlocks()
 
     @property
     def generating(self) -> bool:
@@ -219,6 +255,7 @@ class ChatApp(SlashCommands, App):
         self._answer = self.add_message("assistant", "")
         self._answer.add_class("pending")
         self._stream = Markdown.get_stream(self._answer)
+        self._calls = ToolCallBlocks()
         self._cancel = threading.Event()
         self.generating = True
         self.status.update_values(state="thinking…", timings=None)
@@ -227,7 +264,9 @@ class ChatApp(SlashCommands, App):
     @work(thread=True, group="engine")
     def _generate(self, messages: list[dict], settings: ChatSettings, cancel: threading.Event) -> None:
         try:
-            reply = self.session.reply(messages, settings, cancel, lambda t, tm: self.post_message(AnswerChunk(t, tm)))
+            reply = self.session.reply(
+                messages, settings, cancel, lambda t, tm, calls=None: self.post_message(AnswerChunk(t, tm, calls))
+            )
         except LocalrunError as exc:
             self.post_message(AnswerDone(None, str(exc)))
         except Exception as exc:  # a bug: say so in the chat instead of crashing it
@@ -237,13 +276,18 @@ class ChatApp(SlashCommands, App):
 
     async def on_answer_chunk(self, msg: AnswerChunk) -> None:
         if self._stream is not None:
-            await self._stream.write(msg.text)
+            piece = self._calls.text(msg.text) + self._calls.calls(msg.tool_calls or ())
+            if piece:
+                await self._stream.write(piece)
         t = msg.timings
         self.status.update_values(state="", timings=t, lookup=self.settings.lookup,
                                   ctx_used=t.prompt_tokens + t.generated_tokens)
 
     async def on_answer_done(self, msg: AnswerDone) -> None:
         if self._stream is not None:
+            closing = self._calls.close()
+            if closing:
+                await self._stream.write(closing)
             await self._stream.stop()
         self._stream, answer, self._answer = None, self._answer, None
         self.generating = False
@@ -383,7 +427,12 @@ def run_chat(args, interactive: bool | None = None) -> int:
     store = ConversationStore.open()
     app = None
     try:
-        app = ChatApp(ChatSession(n_ctx=args.ctx, threads=args.threads, kv_cache_type=getattr(args, "kv_cache_type", "f16")), settings, store, initial_model(args, store))
+        # --chat-template FILE replaces the template of every model this chat opens
+        opener = functools.partial(Engine.open, chat_template=getattr(args, "chat_template", None),
+                                   trust_remote_code=getattr(args, "trust_remote_code", False))
+        session = ChatSession(n_ctx=args.ctx, threads=args.threads, opener=opener,
+                              kv_cache_type=getattr(args, "kv_cache_type", "f16"))
+        app = ChatApp(session, settings, store, initial_model(args, store))
         app.run()
     finally:
         store.close()

@@ -1,6 +1,8 @@
 """The llama-server dialect: /completion, /infill (llama.vim, llama.vscode), /tokenize,
-/detokenize, /health, /props, /slots, /metrics. Requests may name a `model`; without
-one they go to the server's first --model, as llama-server serves one model."""
+/detokenize, /health, /props (with the template's tool capabilities), /slots, /metrics;
+its /v1/chat/completions, tools included, is the OpenAI dialect's route. Requests may
+name a `model`; without one they go to the server's first --model, as llama-server
+serves one model."""
 
 from __future__ import annotations
 
@@ -244,6 +246,12 @@ async def props(request: Request):
             "model_path": model.path,
             "model_alias": model.name,
             "chat_template": eng.chat_template,
+            # llama-server's names (common/jinja/caps.h); clients check supports_tools before sending tools
+            "chat_template_caps": {
+                "supports_tools": eng.supports_tools,
+                "supports_tool_calls": eng.supports_tools,
+                "supports_parallel_tool_calls": eng.supports_tools,
+            },
             "modalities": {"vision": False, "audio": False},
             "build_info": f"localrun {st.version}",
         }

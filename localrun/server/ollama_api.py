@@ -1,7 +1,8 @@
-"""The Ollama dialect: /api/chat, /api/generate (suffix = fill-in-the-middle, raw,
-format, options, keep_alive), /api/tags, /api/show, /api/ps, /api/version, /api/embed.
-Streams are NDJSON (streaming is Ollama's default) ending in an object with
-`done: true` and Ollama's timing fields, in nanoseconds."""
+"""The Ollama dialect: /api/chat (with tools), /api/generate (suffix = fill-in-the-middle,
+raw, format, options, keep_alive), /api/tags, /api/show, /api/ps, /api/version,
+/api/embed. Streams are NDJSON (streaming is Ollama's default) ending in an object with
+`done: true` and Ollama's timing fields, in nanoseconds. A tool call comes whole, in a
+chunk of its own, its arguments an object."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from starlette.responses import JSONResponse
 from ..errors import BadRequestError
 from ..grammar import Grammar
 from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, GenerationRequest
+from ..tools import collect_calls, history_messages
 from .describe import describe
-from .fields import Body, generation_request, messages, sampling_params, schema_grammar
+from .fields import Body, generation_request, messages, sampling_params, schema_grammar, tool_fields
 from .fim import fim_tokens
 from .http import ndjson, stream
 from .models import parse_keep_alive
-from .runner import collect, events, submit
+from .openai_api import chat_tokens, collect_answer
+from .runner import events, submit
 from .state import embed_inputs, route, state
 
 OLLAMA_VERSION = "0.12.0"  # the API generation these routes follow
@@ -30,8 +33,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def build_request(b: Body) -> GenerationRequest:
-    """The body's GenerationRequest; compiles its format, so call it off the event loop."""
+def build_request(b: Body, chat: bool = False) -> GenerationRequest:
+    """The body's GenerationRequest (with its tools for a chat); compiles its format and
+    the tools' schemas, so call it off the event loop."""
+    tools = tool_fields(b, ("format",)) if chat else {}  # refused with a format before it compiles
     opts = b.obj("options")
     predict = opts.int("num_predict", hi=MAX_TOKENS_LIMIT)
     # Ollama: -1 = no limit, -2 = fill the context; both mean "to the end of the context" here
@@ -45,7 +50,7 @@ def build_request(b: Body) -> GenerationRequest:
         grammar = schema_grammar(fmt, "format")
     else:
         raise BadRequestError(f"'format' must be \"json\" or a JSON schema object, got {fmt!r}")
-    return generation_request(opts, sampling_params(opts), max_tokens, grammar)
+    return generation_request(opts, sampling_params(opts), max_tokens, grammar, **tools)
 
 
 def _final(t, load_ns: int, started: float) -> dict:
@@ -67,7 +72,52 @@ def _final(t, load_ns: int, started: float) -> dict:
 
 
 def _done_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
+    return "length" if reason == "length" else "stop"  # Ollama says "stop" after tool calls too
+
+
+class WholeCalls:
+    """Ollama streams each tool call whole, its arguments an object: a call's deltas wait
+    here until the next call begins or the answer ends."""
+
+    def __init__(self) -> None:
+        self._current: list = []  # the deltas of the call being written (one index)
+
+    def add(self, deltas) -> list[dict]:
+        done = []
+        for d in deltas:
+            if self._current and d.index != self._current[0].index:
+                done += self.finish()
+            self._current.append(d)
+        return done
+
+    def finish(self) -> list[dict]:
+        """The call being written, if any, as Ollama's {"function": {index, name, arguments}}."""
+        if not self._current:
+            return []
+        index, calls = self._current[0].index, collect_calls(self._current)
+        self._current = []
+        return whole_calls(calls, index)
+
+
+def whole_calls(calls, first_index: int = 0) -> list[dict]:
+    """Ollama's `message.tool_calls`: {"function": {"index", "name", "arguments": {...}}}.
+    A call cut off by the token limit (done_reason "length") has no whole arguments
+    object to give, and is left out."""
+    out = []
+    for i, call in enumerate(calls, first_index):
+        try:
+            arguments = call.arguments_obj()
+        except ValueError:
+            continue
+        out.append({"function": {"index": i, "name": call.name, "arguments": arguments}})
+    return out
+
+
+def _chat_message(text: str, calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return {"message": message}
 
 
 async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
@@ -83,14 +133,19 @@ async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
 
 
 async def _answer(request: Request, model, job, streaming: bool, name: str, shape, load_ns: int, started: float, tokens):
-    """Stream (default) or one object; `shape(text)` wraps a piece of output."""
+    """Stream (default) or one object; `shape(text, calls)` wraps a piece of output and
+    its whole tool calls (only a chat has tools)."""
     if streaming:
 
         async def body():
+            calls = WholeCalls()
             try:
                 async for ev in events(model, job):
                     if ev.text:
                         yield ndjson({"model": name, "created_at": _now(), **shape(ev.text), "done": False})
+                    done = calls.add(ev.tool_calls or ()) + (calls.finish() if ev.finish_reason else [])
+                    for call in done:  # each call whole, in a chunk of its own
+                        yield ndjson({"model": name, "created_at": _now(), **shape("", [call]), "done": False})
                     if ev.finish_reason:
                         final = {"model": name, "created_at": _now(), **shape(""), "done": True,
                                  "done_reason": _done_reason(ev.finish_reason), **_final(ev.timings, load_ns, started)}
@@ -101,8 +156,8 @@ async def _answer(request: Request, model, job, streaming: bool, name: str, shap
                 yield ndjson({"error": str(exc)})
 
         return stream(request, body(), "application/x-ndjson", lambda: model.scheduler.cancel(job))
-    res = await collect(request, model, job)
-    out = {"model": name, "created_at": _now(), **shape(res.text), "done": True,
+    res, calls = await collect_answer(request, model, job)
+    out = {"model": name, "created_at": _now(), **shape(res.text, whole_calls(calls)), "done": True,
            "done_reason": _done_reason(res.finish_reason), **_final(res.timings, load_ns, started)}
     if tokens is not None:
         out["context"] = tokens + res.tokens
@@ -127,14 +182,14 @@ async def chat(request: Request):
     name = b.str("model") or b.str("name")
     if not b.list("messages"):
         return await _load_only(st, b, name or "", "message", {"role": "assistant", "content": ""})
-    msgs = messages(b)
-    gen_request = await asyncio.to_thread(build_request, b)
+    # reads every call's arguments: off the loop, and a malformed one is a 400 before any model loads
+    msgs = await asyncio.to_thread(history_messages, messages(b))
+    gen_request = await asyncio.to_thread(build_request, b, True)
     streaming = b.bool("stream", True)
     name, model, load_ns = await _model(st, b)
-    tokens = await asyncio.to_thread(model.engine.chat_prompt, msgs)
+    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, name)
     job = await submit(model, tokens, gen_request)
-    return await _answer(request, model, job, streaming, name,
-                         lambda text: {"message": {"role": "assistant", "content": text}}, load_ns, started, None)
+    return await _answer(request, model, job, streaming, name, _chat_message, load_ns, started, None)
 
 
 @route("POST", "/api/generate")
@@ -162,7 +217,7 @@ async def generate(request: Request):
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         tokens = context + await asyncio.to_thread(eng.chat_prompt, msgs)
     job = await submit(model, tokens, gen_request)
-    return await _answer(request, model, job, streaming, name, lambda text: {"response": text}, load_ns, started, tokens)
+    return await _answer(request, model, job, streaming, name, lambda text, calls=None: {"response": text}, load_ns, started, tokens)
 
 
 @route("GET", "/api/tags")
@@ -188,7 +243,7 @@ async def show(request: Request):
         raise BadRequestError("'model' is required")
     display, path = await st.manager.resolve(name)
     loaded = st.manager.loaded.get(display)
-    d = await asyncio.to_thread(describe, name, path, loaded.engine if loaded else None)
+    d = await asyncio.to_thread(describe, name, path, loaded.engine if loaded else None, st.manager.chat_template)
     arch = d.architecture
     # the context this server gives a request (what a client may fill), not the trained one
     served = loaded.engine.n_ctx if loaded else (st.manager.n_ctx or min(4096, d.context_length or 4096))

@@ -1,7 +1,13 @@
-"""The OpenAI dialect: /v1/chat/completions, /v1/completions (with `suffix` as
-fill-in-the-middle), /v1/models, /v1/embeddings. Streams are SSE ending in
+"""The OpenAI dialect: /v1/chat/completions (with tools), /v1/completions (with `suffix`
+as fill-in-the-middle), /v1/models, /v1/embeddings. Streams are SSE ending in
 `data: [DONE]`; errors use OpenAI's {"error": {...}} body. Every llama-server sampling
-field is accepted too, as llama-server's own /v1 routes do."""
+field is accepted too, as llama-server's own /v1 routes do; llama-server's tool calls
+are these same routes.
+
+Tool calls are the engine's events reshaped: streamed, `delta.tool_calls` entries (a
+call's first names it, later ones carry argument fragments); whole, `message.tool_calls`
+with arguments as JSON text and `content: null` when the answer is only calls;
+`finish_reason: "tool_calls"` either way."""
 
 from __future__ import annotations
 
@@ -17,21 +23,28 @@ from starlette.responses import JSONResponse
 
 from ..errors import BadRequestError
 from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, GenerationRequest
-from .fields import Body, generation_request, grammar_from, messages, sampling_params
+from ..tools import ToolsUnsupportedError, collect_calls, history_messages
+from .fields import Body, generation_request, grammar_from, messages, sampling_params, tool_fields
 from .fim import fim_tokens
-from .http import sse, stream
+from .http import sse, stream, until_done_or_disconnect
 from .runner import Result, collect, events, logprob, submit
 from .state import embed_inputs, route, state
 
 
-def build_request(b: Body, n_probs: int) -> GenerationRequest:
-    """The body's GenerationRequest; compiles its grammar, so call it off the event loop."""
+# the fields that constrain an answer (grammar_from's); a tool call brings its own grammar
+CONSTRAINT_FIELDS = ("grammar", "json_schema", "response_format")
+
+
+def build_request(b: Body, n_probs: int, chat: bool = False) -> GenerationRequest:
+    """The body's GenerationRequest (with its tools for a chat); compiles its grammar and
+    the tools' schemas, so call it off the event loop."""
     if b.int("n", 1) != 1:
         raise BadRequestError("'n' must be 1: this server returns one choice per request")
     max_tokens = b.int("max_completion_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
     if max_tokens is None:
         max_tokens = b.int("max_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
-    return generation_request(b, sampling_params(b, n_probs=n_probs), max_tokens, grammar_from(b))
+    tools = tool_fields(b, CONSTRAINT_FIELDS) if chat else {}  # refused with a grammar before it compiles
+    return generation_request(b, sampling_params(b, n_probs=n_probs), max_tokens, grammar_from(b), **tools)
 
 
 def _usage(t) -> dict:
@@ -44,7 +57,65 @@ def _usage(t) -> dict:
 
 
 def _finish(reason: str | None) -> str | None:
-    return None if reason is None else ("length" if reason == "length" else "stop")
+    if reason is None:
+        return None
+    return reason if reason in ("length", "tool_calls") else "stop"
+
+
+def _call_deltas(deltas) -> list[dict]:
+    """OpenAI's streamed `delta.tool_calls`, one chunk's delta each: a call's first names
+    it (index, id, type, function.name, empty arguments), the ones after carry fragments
+    of its arguments' JSON text, which join to the whole."""
+    out = []
+    for d in deltas:
+        if d.id is not None:
+            head = {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+            out.append({"tool_calls": [head]})
+        if d.arguments:
+            out.append({"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments}}]})
+    return out
+
+
+def _message(text: str, calls) -> dict:
+    """A non-streamed answer's message: content null when the answer is only calls."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]}
+
+
+async def collect_answer(request: Request, model, job) -> tuple[Result, list]:
+    """runner.collect, keeping the answer's tool calls too (localrun.tools.ToolCall, joined
+    from the events' deltas), which runner's Result has no place for."""
+    deltas: list = []
+
+    async def gather() -> Result:
+        out, parts = Result(), []
+        async for ev in events(model, job):
+            parts.append(ev.text)
+            out.tokens.extend(ev.tokens)
+            out.top_probs.extend(ev.top_probs or [])
+            out.token_probs.extend(ev.token_probs or [])
+            deltas.extend(ev.tool_calls or ())
+            if ev.finish_reason:
+                out.finish_reason = ev.finish_reason
+                out.timings = ev.timings or out.timings
+        out.text = "".join(parts)
+        return out
+
+    res = await until_done_or_disconnect(request, gather(), lambda: model.scheduler.cancel(job))
+    return res, collect_calls(deltas)
+
+
+def chat_tokens(engine, msgs: list[dict], tools, name: str) -> list[int]:
+    """The chat prompt, with the tools rendered by the model's own template; a template
+    without tool support gets Ollama's 400, whose text clients match: "<model> does not
+    support tools"."""
+    try:
+        return engine.chat_prompt(msgs, tools=tools)
+    except ToolsUnsupportedError as exc:
+        raise BadRequestError(exc.for_model(name)) from None
 
 
 def _piece(engine, tok: int) -> str:
@@ -86,11 +157,12 @@ async def chat_completions(request: Request):
     b = await st.body(request)
     want_lp = b.bool("logprobs", False)
     n_top = b.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS) if want_lp else 0
-    gen_request = await asyncio.to_thread(build_request, b, max(n_top, 1) if want_lp else 0)
-    msgs = messages(b)
+    gen_request = await asyncio.to_thread(build_request, b, max(n_top, 1) if want_lp else 0, True)
+    # reads every call's arguments: off the loop, and a malformed one is a 400 before any model loads
+    msgs = await asyncio.to_thread(history_messages, messages(b))
     streaming, include_usage = b.bool("stream", False), b.obj("stream_options").bool("include_usage", False)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
-    tokens = await asyncio.to_thread(model.engine.chat_prompt, msgs)
+    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, b.str("model") or model.name)
     job = await submit(model, tokens, gen_request)
     cid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model.name
     eng = model.engine
@@ -108,6 +180,8 @@ async def chat_completions(request: Request):
                     lp = _chat_logprobs(eng, ev.tokens, ev.token_probs or [], ev.top_probs or [], n_top) if want_lp else None
                     if ev.text or lp:
                         yield sse(chunk({"content": ev.text}, lp=lp))
+                    for delta in _call_deltas(ev.tool_calls or ()):
+                        yield sse(chunk(delta))
                     if ev.finish_reason:
                         yield sse(chunk({}, _finish(ev.finish_reason)))
                         if include_usage:
@@ -119,10 +193,10 @@ async def chat_completions(request: Request):
             yield b"data: [DONE]\n\n"
 
         return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
-    res: Result = await collect(request, model, job)
+    res, calls = await collect_answer(request, model, job)
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": res.text},
+        "message": _message(res.text, calls),
         "logprobs": _chat_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top) if want_lp else None,
         "finish_reason": _finish(res.finish_reason),
     }
