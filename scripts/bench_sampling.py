@@ -8,7 +8,16 @@ same model, threads and context depth when it is built (scripts/build_llama_benc
 Prompt lookup is off so every step is one token. Median of --repeat interleaved rounds.
 Prints a table, writes JSON.
 
+Then, per model, where the time outside `decode` goes (CPU time of the calling thread,
+so a busy machine's preemption is not counted; llama.cpp runs on one thread here so its
+compute stays out of the numbers): each stage of the chain per token, on logits rows
+captured from a real generation, once with the row in cache and once evicted first (a
+fresh row after a decode is mostly not in cache); and, inside the real engine loop,
+sampling vs the rest (UTF-8, stop matching, events, step bookkeeping) per token, greedy
+vs the default chain, interleaved rounds, medians.
+
     python scripts/bench_sampling.py [--models a.gguf b.gguf] [--n-gen 128] [--repeat 3]
+    python scripts/bench_sampling.py --stages-only      # just the per-stage costs
 """
 
 from __future__ import annotations
@@ -19,7 +28,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
+
+import numpy as np
 
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
 TOOLS = Path(os.environ.get("LOCALRUN_TOOLS", Path.home() / ".cache" / "localrun" / "tools"))
@@ -51,6 +64,7 @@ def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
     chain = dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, repeat_penalty=1.1, seed=1)
     settings = {
         "greedy": dict(sampling=SamplingParams(temperature=0), ignore_eos=True),
+        "params_default": dict(sampling=SamplingParams(seed=1), ignore_eos=True),  # repeat penalty off
         "default_chain": dict(sampling=SamplingParams(**chain), ignore_eos=True),
         "chain_unconstrained": dict(sampling=SamplingParams(**chain)),
         "chain_json_schema": dict(sampling=SamplingParams(**chain), grammar=Grammar.from_json_schema(SCHEMA)),
@@ -72,6 +86,151 @@ def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
     return row
 
 
+CHAINS = {  # SamplingParams() is llama-server's default chain; the issue's bench adds a repeat penalty
+    "default": {},
+    "default+rep1.1": dict(repeat_penalty=1.1),
+}
+STOPS = ["\nUser:", "</answer>"]  # stop matching runs on every token, as in a chat request
+_EVICT = np.ones(4 << 20, np.float32)  # 16 MiB: more than the caches that hold a row
+
+
+def _timed_sampler(params, vocab):
+    """A Sampler that records each stage's thread CPU time per token (`cost`: name ->
+    list of seconds; `next_token()` starts a token's entries)."""
+    from localrun.sampling import Sampler
+
+    class Timed(Sampler):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.cost: dict[str, list[float]] = defaultdict(list)
+            self.token: dict[str, float] = defaultdict(float)
+
+        def _stage(self, name, c, history):
+            t0 = time.thread_time()
+            super()._stage(name, c, history)
+            self.token[name] += time.thread_time() - t0
+
+        def sample(self, row, history):
+            self.token = defaultdict(float)
+            t0 = time.thread_time()
+            if self.params.greedy:
+                token = super().sample(row, history)
+                self.token["argmax (greedy)"] = time.thread_time() - t0 - sum(self.token.values())
+            else:
+                ids, probs = self.distribution(row, history)
+                t1 = time.thread_time()
+                self.token["final softmax"] = (t1 - t0) - sum(self.token.values())
+                token = self.draw(ids, probs)
+                self.commit(token, ids, probs)
+                self.token["draw"] = time.thread_time() - t1
+            self.token["sample (total)"] = time.thread_time() - t0
+            for name, v in self.token.items():
+                self.cost[name].append(v)
+            return token
+
+    return Timed(params, vocab)
+
+
+def _median_us(values) -> float:
+    return 1e6 * statistics.median(values)
+
+
+def stage_costs(eng, prompt, n_rows: int) -> dict:
+    """Per-token microseconds of each stage (medians over the rows), per chain, with the
+    row in cache and evicted first."""
+    from localrun.sampling import SamplingParams
+
+    rows: list[tuple[np.ndarray, list[int]]] = []
+    gen = eng.start(prompt, sampling=SamplingParams(seed=3), max_tokens=n_rows, ignore_eos=True, lookup=False)
+    decode = eng.backend.decode
+
+    def keep_rows(batch):
+        out = decode(batch)
+        if out and len(out[0]):
+            rows.append((np.array(out[0][-1]), list(gen.history)))
+        return out
+
+    eng.backend.decode = keep_rows
+    try:
+        while not gen.done:
+            eng.step([gen])
+    finally:
+        del eng.backend.decode
+        eng.release(gen)
+    out = {}
+    for chain, kw in {"greedy": dict(temperature=0), **CHAINS}.items():
+        for cold in (False, True):
+            s = _timed_sampler(SamplingParams(seed=1, **kw), eng.token_text)
+            for _ in range(3):
+                for row, hist in rows:
+                    if cold:
+                        _EVICT.sum()
+                    s.sample(row, hist)
+            out[f"{chain} {'evicted' if cold else 'in cache'}"] = {k: _median_us(v) for k, v in s.cost.items()}
+    return out
+
+
+def engine_overhead(eng, prompt, n_gen: int, repeat: int) -> dict:
+    """Per-token thread CPU microseconds outside decode in the real loop (medians over
+    every step of `repeat` interleaved rounds): sampling, the token's way out (_accept:
+    bytes, UTF-8, grammar, stop matching, the Event), and the rest of the step."""
+    from localrun.sampling import SamplingParams
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name, fn):
+        def call(*a, **k):
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.thread_time() - t0
+        return call
+
+    eng.backend.decode = timed("decode", eng.backend.decode)
+    eng._accept = timed("accept", eng._accept)
+    steps: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    try:
+        for _ in range(repeat):
+            for chain, kw in {"greedy": dict(temperature=0), **CHAINS}.items():
+                gen = eng.start(prompt, sampling=SamplingParams(seed=1, **kw), max_tokens=n_gen + 1,
+                                ignore_eos=True, lookup=False, stop=STOPS)
+                gen.sampler.sample = timed("sample", gen.sampler.sample)
+                eng.step([gen])  # the prompt, and the first token
+                while not gen.done:
+                    spent.clear()
+                    t0 = time.thread_time()
+                    eng.step([gen])
+                    outside = time.thread_time() - t0 - spent["decode"]
+                    at = steps[chain]
+                    at["sample"].append(spent["sample"])
+                    at["accept (utf8, stops, event)"].append(spent["accept"])
+                    at["rest of step"].append(outside - spent["sample"] - spent["accept"])
+                    at["outside decode"].append(outside)
+                    at["decode"].append(spent["decode"])
+                eng.release(gen)
+    finally:
+        del eng.backend.decode, eng._accept  # back to the class's methods
+    return {chain: {k: _median_us(v) for k, v in at.items()} for chain, at in steps.items()}
+
+
+def overhead_report(path: Path, n_gen: int, repeat: int) -> dict:
+    from localrun.engine import Engine
+
+    with Engine.open(path, n_ctx=2048, threads=1) as eng:
+        prompt = eng.chat_prompt([{"role": "user", "content": PROMPT}]) if eng.info.chat_template else eng.tokenize(PROMPT)
+        eng.complete(prompt, max_tokens=4, lookup=False)  # warm-up
+        report = {"model": path.name, "n_vocab": eng.info.n_vocab,
+                  "stages_us": stage_costs(eng, prompt, n_gen), "engine_us": engine_overhead(eng, prompt, n_gen, repeat)}
+    print(f"\n{path.name} (n_vocab {report['n_vocab']}): per-token thread CPU, microseconds")
+    for chain, per in report["stages_us"].items():
+        cells = "  ".join(f"{k} {v:.1f}" for k, v in per.items() if v >= 0.05 or k == "sample (total)")
+        print(f"  stages, {chain:26} {cells}")
+    for chain, per in report["engine_us"].items():
+        print(f"  engine loop, {chain:16} " + "  ".join(f"{k} {v:.1f}" for k, v in per.items()))
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=[str(MODELS / "smollm2-135m-instruct-q4_1.gguf"), str(MODELS / "gemma-3-270m-q4_k_m.gguf")])
@@ -79,18 +238,24 @@ def main() -> int:
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default="bench-sampling.json")
+    ap.add_argument("--stages-only", action="store_true", help="only the per-stage and engine-loop costs")
     args = ap.parse_args()
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    overhead = [overhead_report(Path(m), args.n_gen, args.repeat) for m in args.models]
+    if args.stages_only:
+        Path(args.out).write_text(json.dumps({"overhead": overhead}, indent=2))
+        return 0
     rows = [bench_model(Path(m), args.threads, args.n_gen, args.repeat) for m in args.models]
-    head = f"{'model':34} {'native tg':>9} {'greedy':>8} {'chain':>8} {'chain/native':>12} {'chain/greedy':>12} {'json':>8} {'json/free':>9}"
+    head = f"{'model':34} {'native tg':>9} {'greedy':>8} {'chain':>8} {'chain/native':>12} {'chain/greedy':>12} {'dflt/greedy':>11} {'json':>8} {'json/free':>9}"
     print(head)
     for r in rows:
         native = r["llama_bench_tg"]
         print(
             f"{r['model']:34} {native or float('nan'):9.1f} {r['greedy']:8.1f} {r['default_chain']:8.1f} "
-            f"{(r['default_chain'] / native) if native else float('nan'):12.2f} {r['default_chain'] / r['greedy']:12.2f} "
+            f"{(r['default_chain'] / native) if native else float('nan'):12.2f} {r['default_chain'] / r['greedy']:12.2f} {r['params_default'] / r['greedy']:11.2f} "
             f"{r['chain_json_schema']:8.1f} {r['chain_json_schema'] / r['chain_unconstrained']:9.2f}"
         )
-    Path(args.out).write_text(json.dumps(rows, indent=2))
+    Path(args.out).write_text(json.dumps({"decode": rows, "overhead": overhead}, indent=2))
     return 0
 
 

@@ -39,6 +39,18 @@ def test_top_k_on_a_big_row_finds_exactly_the_top():
     assert set(dist(x, top_k=40)) == set(np.argsort(-x)[:40].tolist())
 
 
+def test_top_k_finds_the_top_wherever_it_sits_in_the_row():
+    """The one-pass top-k reads again only the columns (ids i mod groups) whose maximum
+    reaches the k-th largest column maximum, plus the ids past the last whole row."""
+    x = np.random.default_rng(2).standard_normal(262_147).astype(np.float32)
+    x[0:50 * 4096:4096] += 50  # the top 50 share one column
+    assert set(dist(x, top_k=40)) <= set(range(0, 50 * 4096, 4096))
+    assert len(dist(x, top_k=40)) == 40
+    x[-3:] += 100  # the last ids, past the last whole row of columns
+    top = dist(x, top_k=5)
+    assert {262_144, 262_145, 262_146} <= set(top) and 1 not in top
+
+
 def test_top_p_keeps_the_shortest_prefix_reaching_p():
     d = dist(logits_of([0.5, 0.3, 0.15, 0.05]), top_p=0.75)
     assert set(d) == {0, 1} and 2 not in d
@@ -186,6 +198,28 @@ def test_greedy_is_an_argmax_after_penalties_without_softmax(monkeypatch):
     assert s.sample(x, []) == 0
     plain = Sampler(SamplingParams(temperature=0))
     assert plain.adjusted(x, [0]) is x  # nothing to penalise: no copy
+
+
+def test_penalties_dry_and_bias_on_a_big_row_never_copy_it_and_change_nothing():
+    """On a whole vocabulary, penalties, DRY and logit bias keep their new logits aside
+    for top-k and greedy (no row copy); the result equals sampling the adjusted row."""
+    x = np.random.default_rng(4).standard_normal(100_000).astype(np.float32)
+    x[:50] += np.linspace(8, 6, 50, dtype=np.float32)  # the top 50, all in the history
+    history = list(range(50)) * 2 + [7, 8, 7, 8, 7]
+    adjust = dict(repeat_penalty=3.0, presence_penalty=0.5, repeat_last_n=-1, dry_multiplier=0.8,
+                  logit_bias={60: 9.0, 3: 1.0, 61: -math.inf})
+    adjusted = Sampler(SamplingParams(**adjust)).adjusted(x, history)
+    assert adjusted[60] == np.float32(x[60] + 9.0) and adjusted[61] == -np.inf
+    for chain in (dict(top_k=40), dict(top_k=40, top_p=0.9, min_p=0.05, temperature=0.7)):
+        got = dist(x, history, **adjust, **chain)
+        want = dist(adjusted, **chain)
+        assert got.keys() == want.keys() and 61 not in got
+        assert all(got[t] == pytest.approx(want[t], abs=1e-7) for t in want)
+    greedy = Sampler(SamplingParams(temperature=0, **adjust))
+    assert greedy.sample(x, history) == int(np.argmax(adjusted)) == 60
+    no_bias = {**adjust, "logit_bias": {}}  # the penalised top 50 lose to an unpenalised id
+    best = int(np.argmax(Sampler(SamplingParams(**no_bias)).adjusted(x, history)))
+    assert Sampler(SamplingParams(temperature=0, **no_bias)).sample(x, history) == best and best >= 50
 
 
 def test_default_chain_never_sorts_or_softmaxes_the_whole_row(monkeypatch):
