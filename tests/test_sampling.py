@@ -220,6 +220,9 @@ def test_penalties_dry_and_bias_on_a_big_row_never_copy_it_and_change_nothing():
     no_bias = {**adjust, "logit_bias": {}}  # the penalised top 50 lose to an unpenalised id
     best = int(np.argmax(Sampler(SamplingParams(**no_bias)).adjusted(x, history)))
     assert Sampler(SamplingParams(temperature=0, **no_bias)).sample(x, history) == best and best >= 50
+    top = int(np.argmax(x))  # unpatched: only a patched id that now beats it can win
+    assert Sampler(SamplingParams(temperature=0, logit_bias={60: 1.0})).sample(x, []) == top
+    assert Sampler(SamplingParams(temperature=0, logit_bias={60: 20.0, 61: 1.0})).sample(x, []) == 60
 
 
 def test_default_chain_never_sorts_or_softmaxes_the_whole_row(monkeypatch):

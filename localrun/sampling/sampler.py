@@ -114,18 +114,11 @@ class Sampler:
     def adjusted(self, row: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The row after the argmax-changing stages (penalties, DRY, logit bias), in the
         configured order; the backend's buffer is never written."""
-        return self._adjusted(row, history).logits
-
-    def _adjusted(self, row: np.ndarray, history: Sequence[int]) -> _Cands:
         self._n_row = row.shape[0]
         c = _Cands(row)
         for name in self._pre:
             self._stage(name, c, history)
-        return c
-
-    def _greedy(self, row: np.ndarray, history: Sequence[int]) -> int:
-        """The argmax after the argmax-changing stages, without copying the row for them."""
-        return self._adjusted(row, history).argmax()
+        return c.logits
 
     def grammar_head(self, row: np.ndarray, history: Sequence[int]) -> tuple[np.ndarray, int] | None:
         """For a grammar mask that only has to be right where the draw can land: the
@@ -162,7 +155,7 @@ class Sampler:
         that keeps more than 4096 tokens returns them in id order."""
         p = self.params
         if p.greedy:
-            return np.array([self._greedy(row, history)]), np.array([1.0])
+            return np.array([int(np.argmax(self.adjusted(row, history)))]), np.array([1.0])
         c = _Cands(row)
         n_vocab = self._n_row = row.shape[0]
         if p.mirostat:
@@ -200,7 +193,7 @@ class Sampler:
     def sample(self, row: np.ndarray, history: Sequence[int]) -> int:
         """distribution + draw + commit; greedy is a plain argmax."""
         if self.params.greedy:
-            return self._greedy(row, history)
+            return int(np.argmax(self.adjusted(row, history)))
         ids, probs = self.distribution(row, history)
         token = self.draw(ids, probs)
         self.commit(token, ids, probs)

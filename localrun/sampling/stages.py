@@ -13,15 +13,20 @@ import numpy as np
 # -- candidates ----------------------------------------------------------------------
 
 
+# Below this many logits a row copy (~20 us for 49k) costs less than the patch's few
+# small numpy calls; above it (a 262k row: ~100 us from memory) the patch wins.
+_PATCH_MIN_ROW = 100_000
+
+
 class _Cands:
     """The live candidate set: token ids (None = the whole vocabulary, id == index), their
     logits, and whether they are sorted by descending logit. The backend's row is never
     written: `own()` copies before the first in-place change.
 
-    On the whole vocabulary, new logits for a few ids (penalties on a 64-token window,
-    DRY, logit bias: `set_at`) wait in a patch instead of copying the row (~0.1-0.5 ms on
-    262k): top-k and greedy's argmax read the row and the patch as they are, and anything
-    else that reads `logits` writes the patch into a copy first."""
+    On a whole vocabulary of _PATCH_MIN_ROW or more, new logits for a few ids (penalties
+    on a 64-token window, DRY, logit bias: `set_at`) wait in a patch instead of copying
+    the row (~0.1-0.5 ms on 262k): top-k reads the row and the patch as they are, and
+    anything else that reads `logits` writes the patch into a copy first."""
 
     __slots__ = ("ids", "_logits", "sorted", "owned", "_patch")
 
@@ -72,7 +77,8 @@ class _Cands:
         """New logits (cast to float32) for the distinct positions `pos`."""
         vals = np.asarray(vals).astype(np.float32)
         self.sorted = False
-        if self.ids is not None or self.owned:
+        if self.ids is not None or self.owned or self.size < _PATCH_MIN_ROW:
+            self.own()
             self.logits[pos] = vals
             return
         if self._patch is not None:  # the later value of a position wins
@@ -120,14 +126,6 @@ class _Cands:
         elif k < self.size:
             self.keep(_top_indices(self.logits, k), False)
         self.sort()
-
-    def argmax(self) -> int:
-        """The id of the largest logit (the lowest id among equals, as np.argmax)."""
-        if self._patch is not None and self.ids is None:
-            cand, vals = self._patched_head(1)
-            return int(cand[np.argmax(vals)])
-        at = int(np.argmax(self.logits))
-        return at if self.ids is None else int(self.ids[at])
 
     def positions(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(positions in the set, indices into `tokens`) of the tokens present."""
