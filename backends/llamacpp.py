@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +30,7 @@ import numpy as np
 from localrun import rpc
 from localrun.errors import BackendUnavailableError, CacheNotTrimmableError, DecodeError, ModelLoadError
 from localrun.formats import file_type_name
-from localrun.hardware import inference_threads
+from localrun.hardware import OthersLoad, fitted_threads, inference_threads
 
 from . import check_kv_cache_type
 from .base import BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
@@ -85,6 +86,8 @@ def _set_kv_cache_type(cparams, kv_cache_type: str) -> None:
         cparams.flash_attn = True
 
 
+REFIT_THREADS_S = 1.0  # how often decoding re-reads the load (~0.1 ms a reading)
+
 default_threads = inference_threads  # the old name, until localrun/rpc_cli.py and scripts/bench.py move
 
 
@@ -110,6 +113,9 @@ class LlamaCppBackend:
         self._ctx = None
         self._batch = None
         self._embedder = None  # (context, batch) made on the first embed() call
+        # no --threads: fit the cores others leave free, read over the load and again
+        # every REFIT_THREADS_S of decoding (an explicit count always wins)
+        self._load = None if threads else OthersLoad()
         path = str(path)
         mparams = _lc.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers  # -1: all layers on the GPU where one exists
@@ -125,7 +131,7 @@ class LlamaCppBackend:
         self.n_seq = int(n_seq)
         self._ledger = KvLedger(self.n_seq)
         self.n_batch = int(min(n_batch, self.n_ctx * self.n_seq))
-        threads = int(threads or inference_threads())
+        threads = int(threads) if threads else fitted_threads(self._load.busy_cores(wait=True))
 
         cparams = _lc.llama_context_default_params()
         cparams.n_ctx = self.n_ctx * self.n_seq
@@ -154,6 +160,7 @@ class LlamaCppBackend:
         self._mem = _lc.llama_get_memory(ctx)
         self._arm_interrupt(ctx)
         self.threads = threads
+        self._refit_at = time.monotonic() + REFIT_THREADS_S
         # One batch for the life of the context; each token belongs to one sequence.
         self._batch = _lc.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -293,6 +300,8 @@ class LlamaCppBackend:
 
     def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
         check_batch(batch, self.n_seq, self.n_ctx, self.n_batch)
+        if self._load is not None and time.monotonic() >= self._refit_at:
+            self._refit_threads()
         b = self._batch
         tok, pos, nsq, sid, lgt = b.token, b.pos, b.n_seq_id, b.seq_id, b.logits
         # With a KV stream per sequence, llama.cpp puts in one ubatch only sequences whose
@@ -334,6 +343,19 @@ class LlamaCppBackend:
             by_seq[e.seq] = rows[r : r + e.n_logits]
             r += e.n_logits
         return [by_seq[e.seq] for e in batch]
+
+    def _refit_threads(self) -> None:
+        """Follow the cores other processes leave free (hardware.fitted_threads): a
+        busy core stalls every step that puts a thread on it. llama.cpp takes a new count
+        on a live context, for the next decode."""
+        self._refit_at = time.monotonic() + REFIT_THREADS_S
+        busy = self._load.busy_cores()
+        if busy is None:
+            return
+        threads = fitted_threads(busy)
+        if threads != self.threads:
+            _lc.llama_set_n_threads(self._ctx, threads, threads)
+            self.threads = threads
 
     # -- interrupting a decode ---------------------------------------------------
 
