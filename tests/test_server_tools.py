@@ -286,6 +286,8 @@ def test_model_without_tools_gets_ollamas_400(oai, olm):
 
 # -- bad requests ----------------------------------------------------------------------
 
+CHAT = "/v1/chat/completions"
+UNCOMPILABLE = function_tool("f", "", {"type": "object", "properties": {"a": {"type": "x"}}})
 BAD_HISTORY = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]
 
@@ -293,19 +295,16 @@ BAD_HISTORY = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
 @pytest.mark.parametrize(
     "path, changes, named",
     [
-        ("/v1/chat/completions", {"tools": [function_tool("f", "", {"type": "object", "properties": {"a": {"type": "x"}}})]},
-         "tools"),
-        ("/v1/chat/completions", {"tools": [function_tool("get weather!", "", WEATHER_SCHEMA)]}, "tools"),
-        ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"tools": TOOLS, "grammar": 'root ::= "a"'}, "'grammar' cannot be combined with 'tools'"),
-        ("/v1/chat/completions", {"tools": TOOLS, "response_format": {"type": "json_object"}},
+        (CHAT, {"tools": [UNCOMPILABLE]}, "tools[0].function.parameters"),
+        (CHAT, {"tools": [function_tool("get weather!", "", WEATHER_SCHEMA)]}, "tools[0].function.name"),
+        (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (CHAT, {"tool_choice": "required"}, "tool_choice"),
+        (CHAT, {"tools": TOOLS, "grammar": 'root ::= "a"'}, "'grammar' cannot be combined with 'tools'"),
+        (CHAT, {"tools": TOOLS, "response_format": {"type": "json_object"}},
          "'response_format' cannot be combined with 'tools'"),
-        ("/v1/chat/completions", {"tools": TOOLS, "json_schema": WEATHER_SCHEMA},
-         "'json_schema' cannot be combined with 'tools'"),
+        (CHAT, {"tools": TOOLS, "json_schema": WEATHER_SCHEMA}, "'json_schema' cannot be combined with 'tools'"),
         ("/api/chat", {"tools": TOOLS, "format": "json", "stream": False}, "'format' cannot be combined with 'tools'"),
-        ("/v1/chat/completions", {"tools": TOOLS, "messages": BAD_HISTORY}, "messages[1].tool_calls[0].function.arguments"),
+        (CHAT, {"tools": TOOLS, "messages": BAD_HISTORY}, "messages[1].tool_calls[0].function.arguments"),
         ("/api/chat", {"tools": TOOLS, "messages": BAD_HISTORY, "stream": False},
          "messages[1].tool_calls[0].function.arguments"),
     ],

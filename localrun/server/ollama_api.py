@@ -22,8 +22,8 @@ from .fields import Body, generation_request, messages, sampling_params, schema_
 from .fim import fim_tokens
 from .http import ndjson, stream
 from .models import parse_keep_alive
-from .openai_api import chat_tokens, collect_answer
-from .runner import events, submit
+from .openai_api import chat_tokens
+from .runner import collect, events, submit
 from .state import embed_inputs, route, state
 
 OLLAMA_VERSION = "0.12.0"  # the API generation these routes follow
@@ -156,8 +156,9 @@ async def _answer(request: Request, model, job, streaming: bool, name: str, shap
                 yield ndjson({"error": str(exc)})
 
         return stream(request, body(), "application/x-ndjson", lambda: model.scheduler.cancel(job))
-    res, calls = await collect_answer(request, model, job)
-    out = {"model": name, "created_at": _now(), **shape(res.text, whole_calls(calls)), "done": True,
+    res = await collect(request, model, job)
+    calls = whole_calls(collect_calls(res.tool_calls))
+    out = {"model": name, "created_at": _now(), **shape(res.text, calls), "done": True,
            "done_reason": _done_reason(res.finish_reason), **_final(res.timings, load_ns, started)}
     if tokens is not None:
         out["context"] = tokens + res.tokens
@@ -217,7 +218,8 @@ async def generate(request: Request):
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         tokens = context + await asyncio.to_thread(eng.chat_prompt, msgs)
     job = await submit(model, tokens, gen_request)
-    return await _answer(request, model, job, streaming, name, lambda text, calls=None: {"response": text}, load_ns, started, tokens)
+    return await _answer(request, model, job, streaming, name, lambda text, calls=None: {"response": text},
+                         load_ns, started, tokens)
 
 
 @route("GET", "/api/tags")

@@ -26,7 +26,7 @@ from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Gen
 from ..tools import ToolsUnsupportedError, collect_calls, history_messages
 from .fields import Body, generation_request, grammar_from, messages, sampling_params, tool_fields
 from .fim import fim_tokens
-from .http import sse, stream, until_done_or_disconnect
+from .http import sse, stream
 from .runner import Result, collect, events, logprob, submit
 from .state import embed_inputs, route, state
 
@@ -85,29 +85,6 @@ def _message(text: str, calls) -> dict:
     ]}
 
 
-async def collect_answer(request: Request, model, job) -> tuple[Result, list]:
-    """runner.collect, keeping the answer's tool calls too (localrun.tools.ToolCall, joined
-    from the events' deltas), which runner's Result has no place for."""
-    deltas: list = []
-
-    async def gather() -> Result:
-        out, parts = Result(), []
-        async for ev in events(model, job):
-            parts.append(ev.text)
-            out.tokens.extend(ev.tokens)
-            out.top_probs.extend(ev.top_probs or [])
-            out.token_probs.extend(ev.token_probs or [])
-            deltas.extend(ev.tool_calls or ())
-            if ev.finish_reason:
-                out.finish_reason = ev.finish_reason
-                out.timings = ev.timings or out.timings
-        out.text = "".join(parts)
-        return out
-
-    res = await until_done_or_disconnect(request, gather(), lambda: model.scheduler.cancel(job))
-    return res, collect_calls(deltas)
-
-
 def chat_tokens(engine, msgs: list[dict], tools, name: str) -> list[int]:
     """The chat prompt, with the tools rendered by the model's own template; a template
     without tool support gets Ollama's 400, whose text clients match: "<model> does not
@@ -162,7 +139,8 @@ async def chat_completions(request: Request):
     msgs = await asyncio.to_thread(history_messages, messages(b))
     streaming, include_usage = b.bool("stream", False), b.obj("stream_options").bool("include_usage", False)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
-    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, b.str("model") or model.name)
+    asked_for = b.str("model") or model.name  # Ollama's "does not support tools" names the model as asked
+    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, asked_for)
     job = await submit(model, tokens, gen_request)
     cid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model.name
     eng = model.engine
@@ -193,10 +171,10 @@ async def chat_completions(request: Request):
             yield b"data: [DONE]\n\n"
 
         return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
-    res, calls = await collect_answer(request, model, job)
+    res: Result = await collect(request, model, job)
     choice = {
         "index": 0,
-        "message": _message(res.text, calls),
+        "message": _message(res.text, collect_calls(res.tool_calls)),
         "logprobs": _chat_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top) if want_lp else None,
         "finish_reason": _finish(res.finish_reason),
     }
