@@ -109,10 +109,11 @@ class ChatSession:
         messages: list[dict],
         settings: ChatSettings,
         cancel: threading.Event,
-        on_text: Callable[[str, Timings], None],
+        on_text: Callable[..., None],
     ) -> Reply:
         """Stream the answer to `messages` (ending with the user's turn) through
-        `on_text(piece, timings so far)`; stops early when `cancel` is set."""
+        `on_text(piece, timings so far, tool call deltas or None)`; stops early when
+        `cancel` is set."""
         with self.lock:
             engine = self.engine
             if engine is None:
@@ -132,9 +133,9 @@ class ChatSession:
                     if cancel.is_set():
                         break
                     ev = engine.step([gen]).get(gen.seq)
-                    if ev is not None and ev.text:
+                    if ev is not None and (ev.text or ev.tool_calls):
                         parts.append(ev.text)
-                        on_text(ev.text, replace(gen.timings))
+                        on_text(ev.text, replace(gen.timings), ev.tool_calls)
             finally:
                 engine.release(gen)  # frees the slot; marks an unfinished generation cancelled
             reason = gen.finish_reason or "cancelled"
