@@ -30,10 +30,10 @@ import numpy as np
 from localrun import rpc
 from localrun.errors import BackendUnavailableError, CacheNotTrimmableError, DecodeError, ModelLoadError
 from localrun.formats import file_type_name
-from localrun.hardware import OthersLoad, fitted_threads, inference_threads
+from localrun.hardware import OthersLoad, fitted_threads
 
 from . import check_kv_cache_type
-from .base import BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
+from .base import DEFAULT_N_BATCH, BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
 
 try:
     import llama_cpp as _lc
@@ -88,8 +88,6 @@ def _set_kv_cache_type(cparams, kv_cache_type: str) -> None:
 
 REFIT_THREADS_S = 1.0  # how often decoding re-reads the load (~0.1 ms a reading)
 
-default_threads = inference_threads  # the old name, until localrun/rpc_cli.py and scripts/bench.py move
-
 
 class LlamaCppBackend:
     name = "llama.cpp"
@@ -99,7 +97,7 @@ class LlamaCppBackend:
         path: str | os.PathLike,
         n_ctx: int | None = None,
         n_seq: int = 1,
-        n_batch: int = 512,
+        n_batch: int = DEFAULT_N_BATCH,
         threads: int | None = None,
         n_gpu_layers: int = -1,
         kv_cache_type: str = "f16",
