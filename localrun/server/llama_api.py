@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from starlette.requests import Request
+from starlette.routing import Route
 from starlette.responses import JSONResponse, PlainTextResponse
 
 from ..errors import BadRequestError
@@ -24,7 +25,7 @@ from .fields import Body, generation_request, grammar_from, sampling_params
 from .fim import fim_tokens
 from .http import sse, stream
 from .runner import collect, events, logprob, submit
-from .state import route, state
+from .state import endpoint, state
 
 
 def build_request(b: Body) -> GenerationRequest:
@@ -159,7 +160,6 @@ async def _run(request: Request, run: dict, model, tokens: list[int], gen_reques
     return JSONResponse(_project(out, run["fields"]))
 
 
-@route("POST", "/completion")
 async def completion(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -171,7 +171,6 @@ async def completion(request: Request):
     return await _run(request, run, model, tokens, gen_request)
 
 
-@route("POST", "/infill")
 async def infill(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -187,7 +186,6 @@ async def infill(request: Request):
     return await _run(request, run, model, tokens, gen_request)
 
 
-@route("POST", "/tokenize")
 async def tokenize(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -212,7 +210,6 @@ async def tokenize(request: Request):
     return JSONResponse({"tokens": await asyncio.to_thread(with_pieces)})
 
 
-@route("POST", "/detokenize")
 async def detokenize(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -229,12 +226,10 @@ async def detokenize(request: Request):
     return JSONResponse({"content": await asyncio.to_thread(detokenize)})
 
 
-@route("GET", "/health")
 async def health(request: Request):
     return JSONResponse({"status": "ok"})
 
 
-@route("GET", "/props")
 async def props(request: Request):
     st = state(request)
     model = await st.manager.get(None)
@@ -258,7 +253,6 @@ async def props(request: Request):
     )
 
 
-@route("GET", "/slots")
 async def slots(request: Request):
     st = state(request)
     out = []
@@ -278,7 +272,6 @@ METRICS = (
 )
 
 
-@route("GET", "/metrics")
 async def metrics(request: Request):
     st = state(request)
     lines = []
@@ -290,3 +283,16 @@ async def metrics(request: Request):
             label = model.name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
             lines.append(f'llamacpp:{name}{{model="{label}"}} {value}')
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+# This dialect's routes, in one place (app.py mounts the three lists).
+ROUTES = [
+    Route("/completion", endpoint(completion), methods=["POST"]),
+    Route("/infill", endpoint(infill), methods=["POST"]),
+    Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+    Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+    Route("/health", endpoint(health), methods=["GET"]),
+    Route("/props", endpoint(props), methods=["GET"]),
+    Route("/slots", endpoint(slots), methods=["GET"]),
+    Route("/metrics", endpoint(metrics), methods=["GET"]),
+]

@@ -11,6 +11,7 @@ import time
 from datetime import datetime, timezone
 
 from starlette.requests import Request
+from starlette.routing import Route
 from starlette.responses import JSONResponse
 
 from ..errors import BadRequestError
@@ -24,7 +25,7 @@ from .http import ndjson, stream
 from .models import parse_keep_alive
 from .openai_api import chat_tokens
 from .runner import collect, events, submit
-from .state import embed_inputs, route, state
+from .state import embed_inputs, endpoint, state
 
 OLLAMA_VERSION = "0.12.0"  # the API generation these routes follow
 
@@ -175,7 +176,6 @@ async def _model(st, b: Body):
     return name, model, 0 if loaded_before else int((time.perf_counter() - t0) * 1e9)
 
 
-@route("POST", "/api/chat")
 async def chat(request: Request):
     st = state(request)
     started = time.perf_counter()
@@ -193,7 +193,6 @@ async def chat(request: Request):
     return await _answer(request, model, job, streaming, name, _chat_message, load_ns, started, None)
 
 
-@route("POST", "/api/generate")
 async def generate(request: Request):
     st = state(request)
     started = time.perf_counter()
@@ -222,7 +221,6 @@ async def generate(request: Request):
                          load_ns, started, tokens)
 
 
-@route("GET", "/api/tags")
 async def tags(request: Request):
     st = state(request)
     out = []
@@ -236,7 +234,6 @@ async def tags(request: Request):
     return JSONResponse({"models": out})
 
 
-@route("POST", "/api/show")
 async def show(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -257,7 +254,6 @@ async def show(request: Request):
     )
 
 
-@route("GET", "/api/ps")
 async def ps(request: Request):
     st = state(request)
     out = []
@@ -271,12 +267,10 @@ async def ps(request: Request):
     return JSONResponse({"models": out})
 
 
-@route("GET", "/api/version")
 async def version(request: Request):
     return JSONResponse({"version": OLLAMA_VERSION, "localrun": state(request).version})
 
 
-@route("POST", "/api/embed")
 async def embed(request: Request):
     st = state(request)
     started = time.perf_counter()
@@ -285,3 +279,15 @@ async def embed(request: Request):
     vectors, n_tokens = await embed_inputs(model, b, "input")
     return JSONResponse({"model": name, "embeddings": vectors, "total_duration": int((time.perf_counter() - started) * 1e9),
                          "load_duration": load_ns, "prompt_eval_count": n_tokens})
+
+
+# This dialect's routes, in one place (app.py mounts the three lists).
+ROUTES = [
+    Route("/api/chat", endpoint(chat), methods=["POST"]),
+    Route("/api/generate", endpoint(generate), methods=["POST"]),
+    Route("/api/tags", endpoint(tags), methods=["GET"]),
+    Route("/api/show", endpoint(show), methods=["POST"]),
+    Route("/api/ps", endpoint(ps), methods=["GET"]),
+    Route("/api/version", endpoint(version), methods=["GET"]),
+    Route("/api/embed", endpoint(embed), methods=["POST"]),
+]

@@ -19,6 +19,7 @@ import uuid
 import numpy as np
 
 from starlette.requests import Request
+from starlette.routing import Route
 from starlette.responses import JSONResponse
 
 from ..errors import BadRequestError
@@ -28,7 +29,7 @@ from .fields import Body, generation_request, grammar_from, messages, sampling_p
 from .fim import fim_tokens
 from .http import sse, stream
 from .runner import Result, collect, events, logprob, submit
-from .state import embed_inputs, route, state
+from .state import embed_inputs, endpoint, state
 
 
 # the fields that constrain an answer (grammar_from's); a tool call brings its own grammar
@@ -128,7 +129,6 @@ def _text_logprobs(engine, tokens, chosen, tops, n_top: int, offset: int) -> dic
     return out
 
 
-@route("POST", "/v1/chat/completions")
 async def chat_completions(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -184,7 +184,6 @@ async def chat_completions(request: Request):
     )
 
 
-@route("POST", "/v1/completions")
 async def completions(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -248,7 +247,6 @@ async def completions(request: Request):
     )
 
 
-@route("GET", "/v1/models")
 async def list_models(request: Request):
     st = state(request)
     now = int(time.time())
@@ -256,7 +254,6 @@ async def list_models(request: Request):
     return JSONResponse({"object": "list", "data": data})
 
 
-@route("POST", "/v1/embeddings")
 async def embeddings(request: Request):
     st = state(request)
     b = await st.body(request)
@@ -282,3 +279,12 @@ def _llama_timings(t) -> dict:
         "predicted_ms": t.decode_ms,
         "cache_n": t.cached_tokens,
     }
+
+
+# This dialect's routes, in one place (app.py mounts the three lists).
+ROUTES = [
+    Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+    Route("/v1/completions", endpoint(completions), methods=["POST"]),
+    Route("/v1/models", endpoint(list_models), methods=["GET"]),
+    Route("/v1/embeddings", endpoint(embeddings), methods=["POST"]),
+]

@@ -1,6 +1,6 @@
-"""What every route shares: the server's state, the route table the dialect modules
-fill, and the wrapper that turns every foreseeable failure into the dialect's error
-body (a bad request never takes the server down, and never answers 5xx)."""
+"""What every route shares: the server's state and `endpoint`, the wrapper that turns
+every foreseeable failure into the dialect's error body (a bad request never takes the
+server down, and never answers 5xx). Each dialect module lists its own routes (ROUTES)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
-from starlette.routing import Route
 
 from .. import __version__
 from ..errors import BadRequestError, LocalrunError
@@ -19,7 +18,6 @@ from .fields import Body
 from .http import error_response, read_json
 from .models import Loaded, ModelManager
 
-ROUTES: list[Route] = []
 log = logging.getLogger("localrun.server")
 
 
@@ -38,26 +36,23 @@ def state(request: Request) -> ServerState:
     return request.app.state.localrun
 
 
-def route(method: str, path: str):
-    """Register a handler; LocalrunError becomes the dialect's error body with its status."""
+def endpoint(handler):
+    """A route's handler, with every LocalrunError turned into the dialect's error body and
+    its status, and any other exception into a logged 500 (the server keeps serving)."""
 
-    def wrap(handler):
-        @functools.wraps(handler)
-        async def endpoint(request: Request):
-            try:
-                return await handler(request)
-            except LocalrunError as exc:
-                return error_response(request.url.path, exc.http_status, str(exc))
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug: say so, keep serving; its text may hold anything, so only the log gets it
-                log.exception("internal error in %s %s", request.method, request.url.path)
-                return error_response(request.url.path, 500, "internal error (see the server log)")
+    @functools.wraps(handler)
+    async def guarded(request: Request):
+        try:
+            return await handler(request)
+        except LocalrunError as exc:
+            return error_response(request.url.path, exc.http_status, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug: say so, keep serving; its text may hold anything, so only the log gets it
+            log.exception("internal error in %s %s", request.method, request.url.path)
+            return error_response(request.url.path, 500, "internal error (see the server log)")
 
-        ROUTES.append(Route(path, endpoint, methods=[method]))
-        return handler
-
-    return wrap
+    return guarded
 
 
 MAX_EMBED_INPUTS = 2048  # OpenAI's limit on `input` items
