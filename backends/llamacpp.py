@@ -458,5 +458,5 @@ class LlamaCppBackend:
     def __del__(self) -> None:  # a forgotten close must not leak the model
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception:  # at interpreter exit the library may already be gone: nothing to free
+            return

@@ -517,8 +517,8 @@ def _terminal_restorer():
                 termios.tcsetattr(fd, termios.TCSANOW, saved)
             if os.isatty(1):
                 os.write(1, _TERMINAL_RESET)
-        except OSError:
-            pass
+        except OSError:  # no terminal left to restore: the error line is what matters
+            return
 
     return restore
 

@@ -315,8 +315,6 @@ def test_two_workers_give_the_local_greedy_answer(model, workers, request):
 
 @needs_rpc
 def test_fit_shows_the_split_over_the_workers(workers, smollm2_gguf):
-    if "--rpc" not in localrun("fit", "--help").stdout:
-        pytest.skip("`localrun fit` has no --rpc yet (the lead applies issue 17's edit to localrun/store_cli.py)")
     res = localrun("fit", str(smollm2_gguf), "--rpc", ",".join(w.endpoint for w in workers),
                    "--tensor-split", "1,1,1", "--ctx", "512")
     assert res.returncode == 0, res.stderr
@@ -355,8 +353,6 @@ def test_a_killed_worker_ends_the_answer_with_one_error_line(tmp_path, smollm2_g
 
 @needs_rpc
 def test_serve_answers_over_workers(workers, smollm2_gguf):
-    if "--rpc" not in localrun("serve", "--help").stdout:
-        pytest.skip("`localrun serve` has no --rpc yet (the lead applies issue 17's edit to localrun/server/command.py)")
     sys.path.insert(0, str(Path(__file__).parent))
     import httpx
     from serving import Server
