@@ -15,6 +15,7 @@ llama.cpp's default period for the architectures that have one (_SWA_PERIOD).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -94,7 +95,18 @@ def facts(path: str | os.PathLike[str]) -> ModelFacts:
     from localrun.gguf_check import check_gguf_parts
 
     parts = check_gguf_parts(p)
-    return gguf_facts(parts[0].metadata, [t for part in parts for t in part.tensors])
+    found = gguf_facts(parts[0].metadata, [t for part in parts for t in part.tensors])
+    span = parts[0].kv_spans.get("tokenizer.ggml.tokens")
+    if found.has_fim or span is None:
+        return found
+    # no FIM keys: llama.cpp finds FIM tokens by their text when it loads; so do we
+    from localrun.fim_names import fim_ids_by_name
+
+    ids = fim_ids_by_name(str(p), span)
+    if len(ids) < 3:
+        return found
+    return dataclasses.replace(found, fim_prefix_id=ids["prefix"], fim_suffix_id=ids["suffix"],
+                               fim_middle_id=ids["middle"])
 
 
 def gguf_facts(metadata: dict[str, Any], tensors: list[TensorInfo] | tuple[TensorInfo, ...]) -> ModelFacts:

@@ -34,8 +34,9 @@ EXPECTED = {
                         fim_suffix_id=None, fim_middle_id=None, pooling_type=None),
     "qwen_coder_gguf": dict(format="gguf", architecture="qwen2", n_params=630_167_424, quant="Q4_K_M", file_type=15,
                             context_length=32768, n_layer=24, n_head=14, n_head_kv=2, head_dim=64, head_dim_v=64,
-                            n_embd=896, n_ff=4864, n_vocab=151_936, sliding_window=None, fim_prefix_id=None,
-                            fim_suffix_id=None, fim_middle_id=None, pooling_type=None),
+                            n_embd=896, n_ff=4864, n_vocab=151_936, sliding_window=None,
+                            # no FIM keys in its metadata: found by their text, as llama.cpp does
+                            fim_prefix_id=151_659, fim_suffix_id=151_661, fim_middle_id=151_660, pooling_type=None),
 }
 GEMMA_SWA = (True,) * 5 + (False,)  # llama.cpp's gemma3 default: every 6th layer is global
 
@@ -47,7 +48,7 @@ def test_facts_of_the_test_models(request, model):
         assert getattr(f, field) == want, field
     assert f.kv_heads == (f.n_head_kv,) * f.n_layer
     assert f.swa_layers == (GEMMA_SWA * 3 if model == "gemma3_gguf" else (False,) * f.n_layer)
-    assert not f.has_fim
+    assert f.has_fim == (model == "qwen_coder_gguf")  # the one code model
 
 
 def test_chat_templates_and_tools(smollm2_gguf, smollm2_mlx, gemma3_gguf, qwen_coder_gguf):
@@ -64,7 +65,7 @@ def test_gguf_and_mlx_smollm2_are_the_same_model(smollm2_gguf, smollm2_mlx):
     assert {k for k in a if a[k] != b[k]} == {"format", "quant", "file_type"}
 
 
-@pytest.mark.parametrize("model", ["smollm2_gguf", "gemma3_gguf"])
+@pytest.mark.parametrize("model", ["smollm2_gguf", "gemma3_gguf", "qwen_coder_gguf"])
 def test_facts_agree_with_the_loaded_llama_cpp_model(request, model):
     """llama.cpp derives these itself when it loads the file: the header read must agree."""
     from localrun.engine import Engine

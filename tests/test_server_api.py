@@ -1,7 +1,8 @@
 """`localrun serve` against real clients: the official `openai` and `ollama` packages,
 and raw requests shaped like llama.vim's /infill and Continue's /api/show +
-/api/generate. One real server process (SmolLM2, plus a copy with FIM tokens) serves
-the whole module."""
+/api/generate. One real server process (SmolLM2, plus Qwen2.5-Coder for fill-in-the-
+middle: a real code model whose FIM tokens llama.cpp finds by their text) serves the
+whole module."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from serving import Server, make_fim_copy
+from serving import Server
 
 GREEDY = {"temperature": 0}
 SCHEMA = {
@@ -24,9 +25,8 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, tmp_path_factory):
-    fim = make_fim_copy(smollm2_gguf, tmp_path_factory.mktemp("fim") / "smollm2-fim.gguf")
-    srv = Server("--model", str(smollm2_gguf), "--model", str(fim), "--ctx", "1024", "--parallel", "4")
+def server(smollm2_gguf, qwen_coder_gguf):
+    srv = Server("--model", str(smollm2_gguf), "--model", str(qwen_coder_gguf), "--ctx", "1024", "--parallel", "4")
     yield srv
     srv.stop()
 
@@ -44,7 +44,7 @@ def olm(server):
 
 
 MODEL = "smollm2-135m-instruct-q4_1"
-FIM_MODEL = "smollm2-fim"
+FIM_MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 ASK = [{"role": "user", "content": "Name three colours."}]
 
 
@@ -166,7 +166,7 @@ def test_ollama_generate_raw(olm):
 def test_ollama_show_tags_ps_version(olm, server):
     shown = olm.show(FIM_MODEL)
     assert "insert" in shown.capabilities and "completion" in shown.capabilities
-    assert shown.modelinfo["llama.context_length"] == 1024  # the served context
+    assert shown.modelinfo["qwen2.context_length"] == 1024  # the served context
     assert "insert" not in olm.show(MODEL).capabilities
     names = {m.model for m in olm.list().models}
     assert {MODEL, FIM_MODEL} <= names
@@ -191,7 +191,7 @@ def test_ollama_unknown_model_is_404(olm):
 def test_continue_show_then_generate_with_suffix(server):
     """Continue's autocomplete: /api/show for the context length, then /api/generate with suffix."""
     show = httpx.post(server.url + "/api/show", json={"name": FIM_MODEL}, timeout=30).json()
-    assert show["model_info"]["llama.context_length"] > 0
+    assert show["model_info"]["qwen2.context_length"] > 0
     body = {"model": FIM_MODEL, "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(1, 2))\n",
             "stream": False, "raw": True, "options": {"temperature": 0.01, "num_predict": 8, "stop": ["\n\n"]},
             "keep_alive": 1800}
