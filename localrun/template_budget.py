@@ -212,7 +212,7 @@ def text_size(value: Any, limit: int) -> int:
             try:
                 stack.append(object.__getattribute__(v, "_Namespace__attrs"))
             except AttributeError:  # a Jinja that keeps them elsewhere: the text check after str() still holds
-                pass
+                continue
         elif isinstance(v, int):
             total += v.bit_length() // 3 + 2
         else:  # numbers, None, ranges, macros, loop objects: a short repr

@@ -70,7 +70,7 @@ def _proxy_main(listen_port: int, target_port: int, counters) -> None:
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+            return  # one side hung up: the pipe is done, the counts so far stand
         finally:
             writer.close()
 

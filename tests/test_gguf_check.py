@@ -468,7 +468,7 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     t.join(5)
     if t.is_alive():  # unblock the reader so the test process can end, then fail
         with open(fifo, "wb"):
-            pass
+            pass  # opening the write end is what releases the blocked reader
         t.join(5)
         pytest.fail("check_gguf blocked on a FIFO")
     assert isinstance(outcome["error"], UnsupportedFormatError) and "not a regular file" in str(outcome["error"])

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class _StillRunning(Exception):
-    pass
+    """Raised by the hang guard's alarm: the call under test did not return in time."""
 
 
 def within(fn, *args):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hubserver import COMMIT, Fault, HubServer, cli_command, run_cli
+from syncs import record_syncs
 from localrun import hub
 from localrun.errors import ModelNotFoundError
 from localrun.hub import DownloadError, list_repo, plan_pull, pull, remote_shape, safe_relpath, variants
@@ -329,22 +330,7 @@ def test_rm_removes_the_verified_markers(hubenv, tmp_path):
 
 
 def test_an_installed_file_is_synced_before_its_rename_and_its_folder_after(hubenv, tmp_path, monkeypatch):
-    import stat
-
-    events: list[tuple] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        st = os.fstat(fd)
-        events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
-        return real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", os.stat(src).st_ino, Path(dst)))
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = record_syncs(monkeypatch)
     _, path = pull(f"{SMOL}:Q4_1")
     ino = path.stat().st_ino
     at = events.index(("replace", ino, path))

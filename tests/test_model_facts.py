@@ -272,7 +272,7 @@ def test_a_fifo_in_an_mlx_folder_does_not_block(tmp_path):
     t.join(5)
     if t.is_alive():
         with open(folder / "chat_template.jinja", "wb"):
-            pass
+            pass  # opening the write end is what releases the blocked reader
         pytest.fail("facts() blocked on a FIFO")
     assert isinstance(outcome["error"], UnsupportedFormatError)
 

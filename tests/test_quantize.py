@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from syncs import record_syncs
+
 from localrun.errors import BadRequestError, LocalrunError, MalformedModelError
 from localrun.quant import ggml_lib
 from localrun.quant.quantize_gguf import quantize_gguf
@@ -267,33 +269,12 @@ def test_interrupt_and_full_disk_leave_nothing_at_out(f16, tmp_path, monkeypatch
     assert not out.exists() and not _leftovers(tmp_path)
 
 
-def _record_syncs(monkeypatch) -> list[tuple]:
-    """Record fsyncs (of a file or a folder, by inode) and renames, in order."""
-    import stat
-
-    events: list[tuple] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        st = os.fstat(fd)
-        events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
-        return real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", Path(src).stat().st_ino, Path(dst)))
-        return real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return events
-
-
 def test_finished_output_is_fsynced_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
     """A rename alone can reach the disk before the bytes do (a power cut leaves a named,
     empty or torn file): the file is synced first, the folder holding the new name after."""
     from localrun.quant.atomic import atomic_output, replace_durably
 
-    events = _record_syncs(monkeypatch)
+    events = record_syncs(monkeypatch)
     out = tmp_path / "out.gguf"
     with atomic_output(out) as tmp:
         tmp.write_bytes(b"GGUF finished bytes")
