@@ -103,17 +103,17 @@ async def answered(pilot, timeout: float = 60.0) -> None:
 
 async def test_send_streams_answer_saves_and_keeps_multiline(tui_env, monkeypatch):
     app = make_app(SMOL_NAME, "--max-tokens", "40")  # long enough to be seen half-written
-    partial = []  # what the answer widget showed after each streamed chunk
-    show_chunk = ChatApp.on_answer_chunk
+    partial = []  # what the answer widget showed after each frame
+    draw_frame = ChatApp.draw_frame
 
-    async def recording_chunk(self, msg):
-        await show_chunk(self, msg)
+    async def recording_frame(self, force=False):
+        await draw_frame(self, force)
         if self._answer is not None:
             partial.append(self._answer.source)
 
-    # recorded inside the handler, not by polling: a fast machine can finish all 40
+    # recorded inside the frame, not by polling: a fast machine can finish all 40
     # tokens before a poll first sees the answer in flight
-    monkeypatch.setattr(ChatApp, "on_answer_chunk", recording_chunk)
+    monkeypatch.setattr(ChatApp, "draw_frame", recording_frame)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         assert app.status.values.n_ctx == 512
@@ -407,3 +407,55 @@ async def test_tool_call_in_an_answer_shows_as_a_readable_block(tui_env, monkeyp
         assert shown == ("Let me look." + block('get_weather({"city": "Paris"})') + block('get_time({"zone": "CET"})')
                          + "And:" + block("get_date({})"))
         assert app.messages[-1] == {"role": "assistant", "content": "Let me look.And:"}
+
+
+async def test_decoding_never_waits_for_a_frozen_ui_and_every_piece_arrives_once(tui_env, monkeypatch):
+    """The answer worker hands each piece over without waiting for the event loop: here
+    the loop is frozen (this test blocks it) while the worker writes 300 pieces, and the
+    worker still finishes. When the loop runs again the pieces are drawn in a frame or
+    two, not one UI update per piece, in order, each once, and the chat keeps the text the
+    worker returned."""
+    import sys
+    import threading
+
+    from localrun.engine import Timings
+    from localrun.tui.session import Reply
+    from localrun.tui.stream import GIL_SWITCH_S, AnswerFeed
+
+    app = make_app(SMOL_NAME)
+    pieces = [f"w{i} " for i in range(300)]
+    loop_frozen, worker_finished = threading.Event(), threading.Event()
+
+    def scripted_reply(messages, settings, cancel, on_text):
+        assert loop_frozen.wait(30)
+        for i, piece in enumerate(pieces):
+            on_text(piece, Timings(prompt_tokens=5, generated_tokens=i + 1))
+        worker_finished.set()
+        return Reply("".join(pieces), "stop", Timings(prompt_tokens=5, generated_tokens=300), 5, 0,
+                     app.session.model_name)
+
+    takes = []  # pieces per frame that drew something
+    take = AnswerFeed.take
+
+    def counting_take(self):
+        batch = take(self)
+        if batch.pieces:
+            takes.append(len(batch.pieces))
+        return batch
+
+    monkeypatch.setattr(AnswerFeed, "take", counting_take)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert sys.getswitchinterval() <= GIL_SWITCH_S  # a drawing UI keeps the GIL only briefly
+        monkeypatch.setattr(app.session, "reply", scripted_reply)
+        await send(pilot, "Go.")
+        loop_frozen.set()
+        # blocking here blocks the event loop: a worker waiting for the UI would never finish
+        finished_while_frozen = worker_finished.wait(30)
+        assert finished_while_frozen, "the answer worker waited for the frozen UI"
+        await answered(pilot)
+        assert sum(takes) == 300 and len(takes) <= 2
+        assert app.query(".assistant").last().source == "".join(pieces)
+        assert app.messages[-1] == {"role": "assistant", "content": "".join(pieces)}
+        assert app.status.values.timings.generated_tokens == 300
+    assert sys.getswitchinterval() > GIL_SWITCH_S  # given back when the app ends

@@ -1,6 +1,6 @@
 """The chat app's parts that need no screen: the conversation store, the settings form,
-the status line, slash-command parsing, model choice, and fitting a long conversation
-into the context."""
+the status line, slash-command parsing, model choice, fitting a long conversation
+into the context, and the answer feed and frame pacer between decoding and drawing."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from localrun.tui.picker import best_model, initial_model
 from localrun.tui.session import ChatSession
 from localrun.tui.settings import FieldError, form_values, parse_form, settings_from_args
 from localrun.tui.status import StatusValues, human_bytes, status_text
+from localrun.tui.stream import AnswerFeed, FramePacer
 
 
 # -- conversations ------------------------------------------------------------------
@@ -246,3 +247,52 @@ def test_fit_prompt_drops_oldest_turns_then_refuses(llama_engine):
     assert session.fit_prompt(messages[-3:], "", 200)[1] == 0
     with pytest.raises(ContextExceededError, match="shorten it, or restart with a larger --ctx"):
         session.fit_prompt([{"role": "user", "content": "word " * 2000}], "", 100)
+
+
+# -- answer feed and frame pacing ------------------------------------------------------
+
+
+def test_feed_hands_over_every_piece_once_in_order_with_the_latest_timings():
+    feed = AnswerFeed()
+    t1, t2 = Timings(generated_tokens=1), Timings(generated_tokens=2)
+    feed.put("Hel", t1)
+    feed.put("", t2, ["call"])
+    batch = feed.take()
+    assert batch.pieces == [("Hel", None), ("", ["call"])] and batch.timings is t2
+    empty = feed.take()
+    assert empty.pieces == [] and empty.timings is None  # not the same pieces again
+    feed.put("lo", t1)
+    assert feed.take().pieces == [("lo", None)]
+
+
+def test_feed_loses_and_repeats_nothing_while_a_thread_puts_and_another_takes():
+    import threading
+
+    feed, taken, n = AnswerFeed(), [], 20000
+    producer = threading.Thread(target=lambda: [feed.put(f"{i},", Timings(generated_tokens=i)) for i in range(n)])
+    producer.start()
+    while producer.is_alive():
+        taken.extend(text for text, _ in feed.take().pieces)
+    producer.join()
+    last = feed.take()
+    taken.extend(text for text, _ in last.pieces)
+    assert "".join(taken) == "".join(f"{i}," for i in range(n))
+
+
+def test_pacer_keeps_the_frame_rate_and_backs_off_when_drawing_gets_expensive():
+    p = FramePacer(hz=10, max_share=0.1)
+    assert p.due(0.0, 0.0)  # the first frame at once
+    p.drawn(0.0, 0.0)
+    assert not p.due(0.05, 0.0)  # under 1/10 s since the last frame
+    assert p.due(0.1, 0.0)  # cheap frames come at the frame rate
+    assert not p.due(0.1, 0.05)  # the UI thread used 50 ms of CPU in 100 ms: over 10%
+    assert not p.due(0.49, 0.05)
+    assert p.due(0.5, 0.05)  # 50 ms in 500 ms is 10%
+    p.drawn(0.5, 0.05)
+    assert not p.due(0.55, 0.05) and p.due(0.65, 0.06)  # counted from the last frame, not from the start
+
+
+@pytest.mark.parametrize("hz, share", [(0, 0.1), (-5, 0.1), (10, 0), (10, 1.5)])
+def test_pacer_rejects_a_rate_or_share_that_cannot_work(hz, share):
+    with pytest.raises(ValueError, match="frame rate must be > 0"):
+        FramePacer(hz=hz, max_share=share)

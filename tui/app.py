@@ -1,10 +1,12 @@
 """`localrun chat`: the Textual chat app.
 
 Every engine call (load, answer) runs on a worker thread, one at a time (ChatSession's
-lock); the event loop only draws. The answer worker posts `AnswerChunk`s, which the
-app appends to a Markdown stream (it batches fragments when the screen falls behind),
-and one `AnswerDone`. Esc sets the worker's cancel flag: it stops after the current
-backend step and the text written so far stays in the chat.
+lock); the event loop only draws. The answer worker puts each piece into an
+`AnswerFeed` and never waits for the UI; a timer takes what the feed holds once a frame
+(`FramePacer`: at most 15 a second, fewer when drawing gets expensive) and appends it
+to a Markdown stream, with one status update; the worker posts one `AnswerDone` at the
+end. Esc sets the worker's cancel flag: it stops after the current backend step and the
+text written so far stays in the chat.
 
     python -m localrun.tui.app MODEL [chat flags]   # what `localrun chat` runs
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import time
 from pathlib import Path
 
 from textual import on, work
@@ -36,14 +39,9 @@ from .session import ChatSession, Reply, resolve
 from .settings import ChatSettings, settings_from_args
 from .settings_screen import SettingsPanel
 from .status import StatusBar, process_rss
+from .stream import GIL_SWITCH_S, AnswerFeed, FramePacer
 
 WELCOME = "Type a message — **Enter** sends, **Esc** stops the answer, **F1** lists every key and `/command`."
-
-
-class AnswerChunk(Message):
-    def __init__(self, text: str, timings: Timings, tool_calls: list | None = None) -> None:
-        super().__init__()
-        self.text, self.timings, self.tool_calls = text, timings, tool_calls
 
 
 class ToolCallBlocks:
@@ -133,6 +131,10 @@ class ChatApp(SlashCommands, App):
         self._answer: Markdown | None = None
         self._stream = None
         self._calls = ToolCallBlocks()
+        self._feed = AnswerFeed()  # the answer worker's pieces, drawn once a frame
+        self._pacer = FramePacer()
+        self._frames = None  # the frame timer, running while an answer is written
+        self._switch_interval: float | None = None
 
     @property
     def generating(self) -> bool:
@@ -159,12 +161,21 @@ class ChatApp(SlashCommands, App):
         yield Footer()
 
     def on_mount(self) -> None:
+        # A thread wanting the GIL waits up to the switch interval (5 ms by default) for
+        # the one holding it: the decode thread, back from a llama.cpp call, must not
+        # wait that long for a frame being drawn
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
         self.query_one("#loading").display = False
         self.query_one(PromptInput).focus()
         if self._initial_model is not None:
             self.load_model(*self._initial_model)
         else:
             self.action_models()
+
+    def on_unmount(self) -> None:
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
 
     @property
     def status(self) -> StatusBar:
@@ -257,16 +268,17 @@ class ChatApp(SlashCommands, App):
         self._stream = Markdown.get_stream(self._answer)
         self._calls = ToolCallBlocks()
         self._cancel = threading.Event()
+        self._feed, self._pacer = AnswerFeed(), FramePacer()
         self.generating = True
         self.status.update_values(state="thinking…", timings=None)
-        self._generate(list(self.messages), self.settings.copy(), self._cancel)
+        self._frames = self.set_interval(self._pacer.interval, self.draw_frame)
+        self._generate(list(self.messages), self.settings.copy(), self._cancel, self._feed)
 
     @work(thread=True, group="engine")
-    def _generate(self, messages: list[dict], settings: ChatSettings, cancel: threading.Event) -> None:
+    def _generate(self, messages: list[dict], settings: ChatSettings, cancel: threading.Event,
+                  feed: AnswerFeed) -> None:
         try:
-            reply = self.session.reply(
-                messages, settings, cancel, lambda t, tm, calls=None: self.post_message(AnswerChunk(t, tm, calls))
-            )
+            reply = self.session.reply(messages, settings, cancel, feed.put)  # put never waits for the UI
         except LocalrunError as exc:
             self.post_message(AnswerDone(None, str(exc)))
         except Exception as exc:  # a bug: say so in the chat instead of crashing it
@@ -274,16 +286,32 @@ class ChatApp(SlashCommands, App):
         else:
             self.post_message(AnswerDone(reply))
 
-    async def on_answer_chunk(self, msg: AnswerChunk) -> None:
+    async def draw_frame(self, force: bool = False) -> None:
+        """On the frame timer: draw what the answer worker wrote since the last frame, as
+        one Markdown append and one status update, when the pacer says a frame is due
+        (always when `force`: the answer's end)."""
+        wall, cpu = time.monotonic(), time.thread_time()
+        if not force and not self._pacer.due(wall, cpu):
+            return
+        batch = self._feed.take()
+        if not batch.pieces:
+            return  # nothing new: the next tick looks again
+        self._pacer.drawn(wall, cpu)
+        t = batch.timings
+        if t is not None:
+            self.status.update_values(state="", timings=t, lookup=self.settings.lookup,
+                                      ctx_used=t.prompt_tokens + t.generated_tokens)
         if self._stream is not None:
-            piece = self._calls.text(msg.text) + self._calls.calls(msg.tool_calls or ())
-            if piece:
-                await self._stream.write(piece)
-        t = msg.timings
-        self.status.update_values(state="", timings=t, lookup=self.settings.lookup,
-                                  ctx_used=t.prompt_tokens + t.generated_tokens)
+            piece = "".join(self._calls.text(text) + self._calls.calls(calls or ()) for text, calls in batch.pieces)
+            # the stream's write queues the piece before it yields: a frame stopped there
+            # (the answer ended) has still handed over everything it took
+            await self._stream.write(piece)
 
     async def on_answer_done(self, msg: AnswerDone) -> None:
+        if self._frames is not None:
+            self._frames.stop()
+            self._frames = None
+        await self.draw_frame(force=True)  # the worker put its last pieces before posting this
         if self._stream is not None:
             closing = self._calls.close()
             if closing:

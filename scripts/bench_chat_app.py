@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Benchmark (a script, not a test): the chat app's decode speed against `localrun run`'s
+on the same model, prompt and settings (issue 16: app / cli >= 0.95, idle or busy).
+
+Each round runs, interleaved (the order alternates between rounds), on a fresh process
+or app each time:
+  cli  `localrun run MODEL PROMPT --verbose` as a subprocess; reads `eval count` and
+       `eval rate` from its timings.
+  app  the real chat app answering the same question as the only turn of a new chat:
+       --driver tmux (default when tmux is installed) runs the real `localrun chat`
+         command (`python -m localrun.tui.app`) in a tmux terminal, types the question,
+         and reads tok/s from the status bar when the answer is saved. The terminal,
+         its escape sequences and tmux itself cost CPU as they do for a user.
+       --driver pilot runs the same ChatApp in this process with Textual's headless
+         Pilot (`App.run_test`): every widget, Markdown parse and layout is real, only
+         the bytes to a terminal are skipped; it reads the engine's Timings from the
+         status bar's values.
+Both sides: the same model, chat template, temperature 0, --max-tokens, --threads, --ctx
+and prompt lookup setting, so they decode the same tokens; the script checks that the
+answers are the same text and the token counts are equal, and says so.
+
+    python scripts/bench_chat_app.py [--model PATH] [--repeat 3] [--max-tokens 200]
+                                     [--threads N] [--driver tmux|pilot] [--busy]
+
+--busy keeps one core spinning in another process during every run. Prints per-round
+tok/s, the medians, `app / cli = X.XX` (of the medians) and the load average seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
+DEFAULT_MODEL = MODELS / "smollm2-135m-instruct-q4_1.gguf"
+QUESTION = "Write a Python function that parses a CSV file and returns the average of each numeric column."
+SPIN = "while True: pass"
+SCREEN = (160, 40)  # wide enough that the status line is never cut
+
+
+@dataclass
+class Run:
+    side: str  # "cli" | "app"
+    tok_s: float
+    generated: int  # tokens in the answer
+    text: str
+
+
+def physical_cores() -> int:
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split(" ")[0]
+    except OSError:
+        return f"{os.getloadavg()[0]:.2f}"
+
+
+def flags(args) -> list[str]:
+    """The settings both sides share, as command-line flags."""
+    out = [str(args.model), "--temperature", "0", "--max-tokens", str(args.max_tokens),
+           "--threads", str(args.threads), "--ctx", str(args.ctx)]
+    return out if args.lookup else out + ["--no-lookup"]
+
+
+def isolated_env(tmp: Path) -> dict[str, str]:
+    """A private data folder (the app saves the chat there) and model store."""
+    env = dict(os.environ)
+    for var, sub in (("LOCALRUN_DATA", "data"), ("LOCALRUN_MODELS", "models"), ("HF_HUB_CACHE", "hf"),
+                     ("LOCALRUN_LMSTUDIO_MODELS", "lms")):
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(tmp / sub)
+    return env
+
+
+# -- the CLI -----------------------------------------------------------------------------
+
+def run_cli(args, tmp: Path) -> Run:
+    model, *rest = flags(args)  # the prompt right after the model: argparse reads both positionals at once
+    cmd = [sys.executable, "-m", "localrun.cli", "run", model, args.question, *rest, "--verbose"]
+    proc = subprocess.run(cmd, cwd=REPO, env=isolated_env(tmp), capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: localrun run failed:\n{proc.stderr}")
+    count = re.search(r"^eval count:\s+(\d+)", proc.stderr, re.M)
+    rate = re.search(r"^eval rate:\s+([\d.]+)", proc.stderr, re.M)
+    if not (count and rate):
+        raise SystemExit(f"error: no timings in localrun run's output:\n{proc.stderr}")
+    text = proc.stdout[:-1] if proc.stdout.endswith("\n") else proc.stdout  # run adds one newline
+    return Run("cli", float(rate.group(1)), int(count.group(1)), text)
+
+
+# -- the app in tmux ------------------------------------------------------------------------
+
+STATUS = re.compile(r"([\d.]+) tok/s .*?ctx (\d+)/(\d+)")
+
+
+def saved_answer(data: Path) -> str | None:
+    db = data / "conversations.db"
+    if not db.exists():
+        return None
+    try:
+        with sqlite3.connect(db) as con:
+            row = con.execute("SELECT content FROM messages WHERE role = 'assistant'").fetchone()
+    except sqlite3.OperationalError:  # the app is creating or writing it right now
+        return None
+    return row[0] if row else None
+
+
+def run_app_tmux(args, tmp: Path, prompt_tokens: int) -> Run:
+    env = isolated_env(tmp)
+    name = f"localrun-bench-{uuid.uuid4().hex[:8]}"
+    command = " ".join([sys.executable, "-m", "localrun.tui.app", *map(_quote, flags(args))])
+    passed = [a for var in ("LOCALRUN_DATA", "LOCALRUN_MODELS", "HF_HUB_CACHE", "LOCALRUN_LMSTUDIO_MODELS")
+              for a in ("-e", f"{var}={env[var]}")]
+    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", str(SCREEN[0]), "-y", str(SCREEN[1]),
+                    "-c", str(REPO), *passed, command], check=True)
+
+    def screen() -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True).stdout
+
+    def wait(condition, what: str, timeout: float = 300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = condition()
+            if found:
+                return found
+            time.sleep(0.1)
+        raise SystemExit(f"error: timed out waiting for {what}; screen:\n{screen()}")
+
+    try:
+        wait(lambda: f"ctx 0/{args.ctx}" in screen(), "the model to load")
+        subprocess.run(["tmux", "send-keys", "-t", name, "-l", args.question], check=True)
+        subprocess.run(["tmux", "send-keys", "-t", name, "Enter"], check=True)
+        text = wait(lambda: saved_answer(Path(env["LOCALRUN_DATA"])), "the answer to be saved")
+
+        def final_status():  # the status line once it shows the whole answer's context
+            m = STATUS.search(screen())
+            return m if m and int(m.group(2)) > prompt_tokens else None
+
+        time.sleep(0.3)  # the saved answer's last status update reaches the screen
+        m = wait(final_status, "the status line")
+        return Run("app", float(m.group(1)), int(m.group(2)) - prompt_tokens, text)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+# -- the app in this process (Pilot) ----------------------------------------------------------
+
+def run_app_pilot(args, tmp: Path) -> Run:
+    os.environ.update(isolated_env(tmp))
+    from localrun.cli import build_parser
+    from localrun.tui.app import ChatApp
+    from localrun.tui.conversations import ConversationStore
+    from localrun.tui.input import PromptInput
+    from localrun.tui.session import ChatSession, resolve
+    from localrun.tui.settings import settings_from_args
+
+    parsed = build_parser().parse_args(["chat", *flags(args)])
+    app = ChatApp(ChatSession(n_ctx=args.ctx, threads=args.threads), settings_from_args(parsed),
+                  ConversationStore.open(), resolve(str(args.model)))
+
+    async def drive() -> Run:
+        async with app.run_test(size=SCREEN) as pilot:
+            while app.loading or app.session.engine is None:
+                await pilot.pause(0.05)
+            app.query_one(PromptInput).text = args.question
+            app.query_one(PromptInput).focus()
+            await pilot.press("enter")
+            await pilot.pause(0.05)
+            while app.generating:
+                await pilot.pause(0.05)
+            t = app.status.values.timings
+            return Run("app", t.decode_tps, t.generated_tokens, app.messages[-1]["content"])
+
+    try:
+        return asyncio.run(drive())
+    finally:
+        app.session.close()
+        app.store.close()
+
+
+# -- rounds and report ----------------------------------------------------------------------
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a GGUF file (default: SmolLM2-135M Q4_1)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--threads", type=int, default=None, help="both sides (default: physical cores)")
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--question", default=QUESTION)
+    p.add_argument("--no-lookup", dest="lookup", action="store_false", help="prompt lookup off on both sides")
+    p.add_argument("--driver", choices=("tmux", "pilot"), default="tmux" if shutil.which("tmux") else "pilot")
+    p.add_argument("--busy", action="store_true", help="keep one core busy with another process during the runs")
+    p.add_argument("--json", type=Path, default=None, help="also write the runs here")
+    args = p.parse_args()
+    if not args.model.exists():
+        raise SystemExit(f"error: no model at {args.model}: run scripts/fetch_test_models.py or pass --model")
+    if args.repeat < 1 or args.max_tokens < 1:
+        raise SystemExit("error: --repeat and --max-tokens must be at least 1")
+    args.threads = args.threads or physical_cores()
+
+    print(f"model {args.model.name} │ driver {args.driver} │ threads {args.threads} │ max tokens {args.max_tokens}"
+          f" │ lookup {'on' if args.lookup else 'off'} │ {'one core busy' if args.busy else 'no load of ours'}"
+          f" │ loadavg {loadavg()}")
+    spin = subprocess.Popen([sys.executable, "-c", SPIN]) if args.busy else None
+    runs: list[Run] = []
+    loads: list[str] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-chat-") as tmp_root:
+            for i in range(args.repeat):
+                sides = ("cli", "app") if i % 2 == 0 else ("app", "cli")
+                prompt_tokens = None
+                for side in sides:
+                    tmp = Path(tmp_root) / f"{i}-{side}"
+                    if side == "cli":
+                        run = run_cli(args, tmp)
+                    elif args.driver == "pilot":
+                        run = run_app_pilot(args, tmp)
+                    else:
+                        prompt_tokens = prompt_tokens if prompt_tokens is not None else count_prompt(args)
+                        run = run_app_tmux(args, tmp, prompt_tokens)
+                    runs.append(run)
+                    loads.append(loadavg())
+                    print(f"round {i + 1} {side}: {run.tok_s:6.1f} tok/s  {run.generated} tokens  loadavg {loads[-1]}",
+                          flush=True)
+    finally:
+        if spin is not None:
+            spin.kill()
+            spin.wait()
+
+    cli = [r for r in runs if r.side == "cli"]
+    app = [r for r in runs if r.side == "app"]
+    cli_tps = statistics.median(r.tok_s for r in cli)
+    app_tps = statistics.median(r.tok_s for r in app)
+    same_count = len({r.generated for r in runs}) == 1
+    same_text = len({r.text for r in runs}) == 1
+    print(f"cli median {cli_tps:.1f} tok/s │ app median {app_tps:.1f} tok/s")
+    print(f"tokens: {'equal' if same_count else 'DIFFER'} ({sorted({r.generated for r in runs})}); "
+          f"text: {'identical' if same_text else 'DIFFERS'} on every run")
+    print(f"app / cli = {app_tps / cli_tps:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model.name, "driver": args.driver, "threads": args.threads,
+                                         "busy": args.busy, "loadavg": loads, "app_over_cli": app_tps / cli_tps,
+                                         "runs": [asdict(r) for r in runs]}, indent=1))
+    return 0 if same_count else 1
+
+
+def count_prompt(args) -> int:
+    """The chat prompt's token count (the status line's ctx counts prompt + answer)."""
+    from localrun.engine import Engine
+
+    with Engine.open(args.model, n_ctx=args.ctx, threads=1) as engine:
+        return len(engine.chat_prompt([{"role": "user", "content": args.question}]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
