@@ -53,10 +53,14 @@ def open_backend(path: str | Path, **kwargs) -> Backend:
     ("f16", "q8_0" or "q4_0": the element type of the KV cache; quantized caches hold
     about 1/2 or 1/4 of f16's bytes per token); llama.cpp's threads, n_gpu_layers and
     workers (MLX refuses any but their default); MLX's trust_remote_code (llama.cpp has
-    none: a GGUF holds no code). An unknown keyword is a TypeError on either."""
+    none: a GGUF holds no code). An unknown keyword is a TypeError on either.
+    isolated=True hosts a GGUF that is split over RPC workers in a child process
+    (remote.py), so a worker's death fails the calls in flight instead of this process;
+    without workers it changes nothing."""
     from localrun.store import resolve_model
 
     trust_remote_code = kwargs.pop("trust_remote_code", False)  # a GGUF holds no code to trust
+    isolated = kwargs.pop("isolated", False)
     if "kv_cache_type" in kwargs:  # a bad value fails before a model is read
         kwargs["kv_cache_type"] = check_kv_cache_type(kwargs["kv_cache_type"])
     p = resolve_model(str(path))
@@ -65,6 +69,12 @@ def open_backend(path: str | Path, **kwargs) -> Backend:
         from localrun.gguf_check import check_gguf
 
         check_gguf(p)  # a malformed file never reaches llama.cpp's parser
+        from localrun import rpc
+
+        if isolated and (kwargs.get("workers") is not None or rpc.active() is not None):
+            from .remote import RemoteBackend
+
+            return RemoteBackend(p, **kwargs)
         from .llamacpp import LlamaCppBackend
 
         return LlamaCppBackend(p, **kwargs)

@@ -241,10 +241,10 @@ def test_tensor_split_without_workers_is_refused(smollm2_gguf):
 class WorkerProcess:
     """`localrun rpc-worker` on a free loopback port; ready once it says it is serving."""
 
-    def __init__(self, tmp: Path, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, tmp: Path, *extra: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        self.err_path = tmp / f"worker-{self.port}.err"
+        self.err_path = tmp / f"worker-{self.port}-{time.monotonic_ns()}.err"
         with open(tmp / f"worker-{self.port}.out", "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "localrun.cli", "rpc-worker", "--port",
                                           str(self.port), "--threads", "1", *extra], stdout=out, stderr=err)
@@ -254,6 +254,19 @@ class WorkerProcess:
                 self.proc.kill()
                 raise RuntimeError(f"rpc-worker did not start: {self.stderr()}")
             time.sleep(0.2)
+
+    @classmethod
+    def on_port(cls, tmp: Path, port: int) -> "WorkerProcess":
+        """A worker on a given port (restarting one that died), retried while the port is
+        still being released."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return cls(tmp, port=port)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def stderr(self) -> str:
         return self.err_path.read_text()
@@ -368,6 +381,118 @@ def test_serve_answers_over_workers(workers, smollm2_gguf):
         assert "over RPC workers: this machine:" in server.output()
     finally:
         server.stop()
+
+
+# -- serve: the model in a child process, so a dead worker fails only its answers ------------
+
+
+def _stream_until_error(url: str, on_tokens, n_before: int = 4, timeout: float = 120) -> tuple[str, list[dict]]:
+    """Stream a long llama-server /completion; call on_tokens() once n_before pieces came.
+    Returns (text received, error events). httpx's read timeout fails a stream that hangs."""
+    import json
+
+    import httpx
+
+    text, errors, pieces = "", [], 0
+    body = {"prompt": "Once upon a time", "n_predict": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/completion", json=body, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event["error"])
+                continue
+            text += event.get("content", "")
+            pieces += 1
+            if pieces == n_before:
+                on_tokens()
+    return text, errors
+
+
+def _chat(url: str, timeout: float = 120):
+    import httpx
+
+    return httpx.post(url + "/v1/chat/completions", timeout=timeout, json={
+        "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": 24})
+
+
+@needs_rpc
+def test_serve_survives_a_worker_killed_mid_answer(tmp_path, smollm2_gguf):
+    """SIGKILL one worker while a client streams: that stream ends with an error event that
+    names the worker, the server keeps answering, a request while the worker is down gets
+    a one-line 503, and once the worker is back on its port the next request reloads the
+    model and answers as a local run does."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import httpx
+    from serving import Server
+
+    doomed, other = WorkerProcess(tmp_path), WorkerProcess(tmp_path)
+    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1",
+                    "--rpc", f"{doomed.endpoint},{other.endpoint}", "--tensor-split", "1,1,1")
+    try:
+        def kill_worker():
+            doomed.proc.kill()
+            doomed.proc.wait()
+
+        text, errors = _stream_until_error(server.url, kill_worker)
+        assert text, "the stream never started"
+        assert len(errors) == 1, errors
+        assert f"lost the RPC worker at {doomed.endpoint}" in errors[0]["message"], errors
+        assert f"restart `localrun rpc-worker` on {doomed.endpoint}" in errors[0]["message"]
+        assert server.proc.poll() is None, server.output()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+        down = _chat(server.url)  # the reload finds the worker gone: one line, no abort
+        assert down.status_code == 503, down.text
+        assert f"127.0.0.1:{doomed.port} refused the connection" in down.text
+        assert server.proc.poll() is None, server.output()
+
+        back = WorkerProcess.on_port(tmp_path, doomed.port)
+        try:
+            local = localrun("run", str(smollm2_gguf), PROMPT, *GREEDY)
+            again = _chat(server.url)
+            assert again.status_code == 200, again.text
+            assert again.json()["choices"][0]["message"]["content"] == local.stdout.rstrip("\n")
+        finally:
+            back.stop()
+        assert "Aborted" not in server.output() and "core dumped" not in server.output()
+    finally:
+        server.stop()
+        doomed.stop()
+        other.stop()
+
+
+@needs_rpc
+def test_serve_gives_up_on_a_worker_that_hangs(tmp_path, smollm2_gguf):
+    """A worker that stops answering without closing its socket (SIGSTOP: a machine that
+    vanished) would hold a decode forever; after LOCALRUN_RPC_CALL_TIMEOUT_S the answer
+    ends with an error and the server goes on; once the worker runs again, so does the model."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import httpx
+    from serving import Server
+
+    stuck, other = WorkerProcess(tmp_path), WorkerProcess(tmp_path)
+    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1",
+                    "--rpc", f"{stuck.endpoint},{other.endpoint}", "--tensor-split", "1,1,1",
+                    env={"LOCALRUN_RPC_CALL_TIMEOUT_S": "4"})
+    try:
+        t0 = time.monotonic()
+        text, errors = _stream_until_error(server.url, lambda: stuck.proc.send_signal(signal.SIGSTOP))
+        assert time.monotonic() - t0 < 60
+        assert text and len(errors) == 1, errors
+        assert "gave no answer within 4 s" in errors[0]["message"], errors
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        stuck.proc.send_signal(signal.SIGCONT)  # its old client is gone: it serves the next one
+        again = _chat(server.url)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"]["content"]
+    finally:
+        stuck.proc.send_signal(signal.SIGCONT)
+        server.stop()
+        stuck.stop()
+        other.stop()
 
 
 # -- MLX ring (experimental) -------------------------------------------------------------

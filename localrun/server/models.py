@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import store
+from ..backends.remote import is_lost
 from ..chat_template import load_template_file
 from ..engine import Engine
 from ..errors import BadRequestError, LocalrunError, ModelLoadError, ModelNotFoundError, UnsupportedFormatError
@@ -363,6 +364,9 @@ class ModelManager:
         display, path = await self.resolve(name)
         while True:
             model = self._loaded_at(path)
+            if model is not None and is_lost(model.engine.backend):
+                self._drop_lost(model)  # its RPC worker died mid-answer: load it again
+                continue
             if model is not None:  # no await between finding it and holding it
                 leases.hold(model)
                 model.keep_alive = ttl
@@ -437,6 +441,13 @@ class ModelManager:
             engine.close()
             raise
         return Loaded(display, path, engine, scheduler, self.keep_alive)
+
+    def _drop_lost(self, model: Loaded) -> None:
+        """Take a model whose backend process died out of `loaded`; its scheduler stops and
+        its engine is freed in the background (the requests holding it have failed)."""
+        del self.loaded[model.name]
+        log.warning("%s: its RPC host process is gone; the model loads again", model.name)
+        _track(self._unloading, model.path, asyncio.create_task(self._shutdown(model)))
 
     # -- unloading -------------------------------------------------------------------
 
@@ -515,5 +526,14 @@ def _check_remote_code(path: str, trusted: bool) -> None:
 
 
 def _open_engine(path: str, trust_remote_code: bool, options: dict, chat_template: str | None) -> Engine:
-    """`chat_template`: the --chat-template FILE, None for the model's own template."""
+    """`chat_template`: the --chat-template FILE, None for the model's own template.
+    With --rpc workers a GGUF runs in a child process (backends/remote.py): a worker that
+    dies then fails the answers in flight, not the server."""
+    from .. import rpc
+
+    if rpc.active() is not None and not os.path.isdir(path):
+        from ..backends import open_backend
+
+        template = load_template_file(chat_template) if chat_template is not None else None
+        return Engine(open_backend(path, isolated=True, **options), chat_template=template)
     return Engine.open(path, chat_template=chat_template, trust_remote_code=trust_remote_code, **options)

@@ -241,7 +241,10 @@ class Scheduler:
                 reason = str(exc) if isinstance(exc, LocalrunError) else "internal error, see the server log"
                 with self._cv:
                     for job in active:
-                        self._end(job, LocalrunError(f"generation failed: {reason}"))
+                        failure = LocalrunError(f"generation failed: {reason}")
+                        if isinstance(exc, LocalrunError):  # a lost RPC worker stays a 503, not a 400
+                            failure.http_status = exc.http_status
+                        self._end(job, failure)
             finally:
                 with self._cv:
                     self._in_flight = set()

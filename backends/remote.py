@@ -1,0 +1,326 @@
+"""A GGUF split over llama.cpp RPC workers, hosted in a child process (subprocess_host.py)
+and driven through the Backend protocol from here.
+
+Why: ggml-rpc's client ends its process (`GGML_ABORT`) when a worker's socket dies, and
+waits forever on a worker that vanished without closing its socket. In the child, the
+first ends the child, which this side sees as the pipe closing; the second is a call
+that gives no answer within `call_timeout`, after which this side kills the child. Either
+way the call in flight, and every later call, raises `WorkerLostError`, whose message
+names the worker that no longer accepts connections and says to restart it; the server
+then drops this backend and loads the model again on its next request
+(localrun/server/models.py). `localrun serve --rpc` uses this; `run` and `chat` keep the
+model in-process, where rpc.py's abort hook already ends them with one `error:` line.
+
+Cost per decode: one pickled call and answer on a local pipe, plus the logits rows as
+raw bytes (n_vocab float32 per row) read into an array owned here; the vocabulary
+(token bytes, control tokens) is copied once at load, so detokenizing, grammars and DRY
+never cross the pipe, and the KV ledger is kept on this side too (the child keeps its
+own; they see the same calls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+from multiprocessing.connection import wait as wait_ready
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from localrun import rpc
+from localrun.errors import DecodeError, ModelLoadError
+
+from .base import BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
+
+_log = logging.getLogger("localrun")
+
+# A decode (or any call) that takes longer ends the child: a worker that vanished without
+# closing its socket never answers. Generous, since the first decode of a long prompt on a
+# slow worker may take a while; LOCALRUN_RPC_CALL_TIMEOUT_S overrides it.
+CALL_TIMEOUT_S = 120.0
+# Loading sends every offloaded weight to the workers (tens of GB over a LAN for a big model).
+LOAD_TIMEOUT_S = 1800.0
+CLOSE_WAIT_S = 10.0  # for the child to free the model and exit on close(), then it is killed
+REACH_TIMEOUT_S = 1.0  # per worker, when finding which one is gone
+
+
+class WorkerLostError(DecodeError):
+    """The process hosting an RPC-split model died or stopped answering: a worker is gone
+    (or hangs). The answer in flight ends; the model loads again on the next request."""
+
+    http_status = 503
+
+
+def call_timeout_default() -> float:
+    raw = os.environ.get("LOCALRUN_RPC_CALL_TIMEOUT_S")
+    if not raw:
+        return CALL_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ModelLoadError(f"LOCALRUN_RPC_CALL_TIMEOUT_S must be a number of seconds above 0, got {raw!r}")
+    return value
+
+
+def is_lost(backend) -> bool:
+    """True for a RemoteBackend whose child has died: its engine must be dropped."""
+    return isinstance(backend, RemoteBackend) and backend.lost is not None
+
+
+def accepts(endpoint: str, timeout: float = REACH_TIMEOUT_S) -> bool:
+    """Whether a worker's port still accepts a connection (a dead worker's refuses, a
+    vanished machine's times out)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def lost_message(cause: str, endpoints: Sequence[str], gone: Sequence[str]) -> str:
+    if gone:
+        restart = "; ".join(f"restart `localrun rpc-worker` on {ep}" for ep in gone)
+        who = "worker" if len(gone) == 1 else "workers"
+        return (f"lost the RPC {who} at {', '.join(gone)} (the model's host process {cause}): {restart};"
+                " the next request loads the model again")
+    return (f"the process running the model over the RPC workers {cause}, yet every worker"
+            f" ({', '.join(endpoints)}) still accepts connections: check their output (a worker that hangs needs"
+            " a restart of `localrun rpc-worker`); the next request loads the model again")
+
+
+class RemoteBackend:
+    """The Backend protocol over a child process running LlamaCppBackend with workers."""
+
+    name = "llama.cpp"
+    can_interrupt = True
+    batches_neighbours_only = True
+
+    def __init__(self, path: str | os.PathLike, workers: "rpc.Cluster | None" = None,
+                 call_timeout: float | None = None, load_timeout: float = LOAD_TIMEOUT_S, **options) -> None:
+        """workers: the cluster to split over (None: the one `--rpc` registered in this
+        process); options: LlamaCppBackend's (n_ctx, n_seq, n_batch, threads, n_gpu_layers,
+        kv_cache_type)."""
+        from . import subprocess_host
+
+        cluster = workers if workers is not None else rpc.active()
+        if cluster is None:
+            raise ValueError("RemoteBackend needs RPC workers: pass workers= or register them with --rpc first")
+        self.call_timeout = call_timeout_default() if call_timeout is None else float(call_timeout)
+        self.endpoints = [str(w.endpoint) for w in cluster.workers]
+        self.lost: str | None = None  # why the child is gone, once it is
+        self._main_lock = threading.Lock()  # one call at a time per pipe
+        self._side_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._rows = np.empty((0, 0), np.float32)
+        ctx = mp.get_context("spawn")  # a fresh interpreter: this one may run threads and llama.cpp
+        self._flag = ctx.RawArray(ctypes.c_char, 2)  # the interrupt byte, read by the child's abort callback
+        self._main, main_child = ctx.Pipe()
+        self._side, side_child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=subprocess_host.host_main, name=f"localrun-rpc-host {Path(path).name}", daemon=True,
+            args=(str(path), options, [(w.endpoint.host, w.endpoint.port) for w in cluster.workers],
+                  cluster.tensor_split, main_child, side_child, self._flag))
+        self._proc.start()
+        main_child.close()  # only the child holds its ends now: its exit closes the pipes
+        side_child.close()
+        try:
+            status, value = self._receive(self._main, load_timeout, "loading the model")
+        except WorkerLostError as exc:
+            raise ModelLoadError(str(exc)) from None
+        if status == "raise":
+            self._stop_child()
+            raise value
+        self._adopt(value)
+        _log.info("%s over RPC workers: %s", Path(path).name, self.placement.describe())
+
+    def _adopt(self, facts: dict) -> None:
+        self.info: ModelInfo = facts["info"]
+        self.n_vocab, self.n_ctx, self.n_seq = facts["n_vocab"], facts["n_ctx"], facts["n_seq"]
+        self.n_batch, self.kv_cache_type = facts["n_batch"], facts["kv_cache_type"]
+        self.threads, self.placement = facts["threads"], facts["placement"]
+        self._pieces: list[bytes] = facts["pieces"]
+        self._control = frozenset(facts["control"])
+        self._texts: dict[int, str] = dict(facts["texts"])
+        self._ledger = KvLedger(self.n_seq)
+
+    # -- the pipes -------------------------------------------------------------------
+
+    def _receive(self, conn, timeout: float, doing: str):
+        """The child's next answer; WorkerLostError when it died or did not answer in time."""
+        ready = wait_ready([conn, self._proc.sentinel], timeout)
+        if conn in ready:
+            try:
+                return conn.recv()
+            except (EOFError, OSError):
+                pass  # the child closed the pipe mid-answer: it is gone
+        elif not ready:
+            self._give_up(f"gave no answer within {timeout:g} s while {doing} and was stopped")
+        self._give_up(self._exit_cause(doing))
+
+    def _exit_cause(self, doing: str) -> str:
+        self._proc.join(1.0)
+        code = self._proc.exitcode
+        if code is None:
+            return f"closed its pipe while {doing}"
+        if code < 0:
+            return f"was killed by signal {-code} while {doing}"
+        return f"ended with exit code {code} while {doing}"
+
+    def _give_up(self, cause: str):
+        """Stop the child (once), work out which worker is gone, and raise WorkerLostError."""
+        with self._state_lock:
+            if self.lost is None:
+                self._stop_child(kill=True)
+                gone = [ep for ep in self.endpoints if not accepts(ep)]
+                self.lost = lost_message(cause, self.endpoints, gone)
+                _log.error("%s", self.lost)
+        raise WorkerLostError(self.lost)
+
+    def _call(self, op: str, *args, side: bool = False):
+        conn, lock = (self._side, self._side_lock) if side else (self._main, self._main_lock)
+        with lock:
+            return self._call_locked(conn, op, args)
+
+    def _call_locked(self, conn, op: str, args):
+        if self.lost is not None:
+            raise WorkerLostError(self.lost)
+        try:
+            conn.send((op, args))
+        except (OSError, ValueError):  # a broken pipe, or closed here by another thread's give-up
+            self._give_up(self._exit_cause(op))
+        status, value = self._receive(conn, self.call_timeout, op)
+        if status == "raise":
+            raise value
+        return value
+
+    def _stop_child(self, kill: bool = False) -> None:
+        if kill and self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(CLOSE_WAIT_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    # -- tokens (the vocabulary was copied at load) -------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        return self._call("tokenize", text, add_special, parse_special, side=True)
+
+    def _check_token(self, token: int) -> int:
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id {token} outside the vocabulary 0..{self.n_vocab - 1}")
+        return token
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._pieces[self._check_token(token)]
+
+    def is_control(self, token: int) -> bool:
+        return self._check_token(token) in self._control
+
+    def token_text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._call("token_text", self._check_token(token), side=True)
+        return text
+
+    # -- forward pass ----------------------------------------------------------------
+
+    def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+        check_batch(batch, self.n_seq, self.n_ctx, self.n_batch)  # a bad batch is the caller's, not the child's
+        wire = [(e.seq, [int(t) for t in e.tokens], e.pos, e.n_logits) for e in batch]
+        n_out = sum(e.n_logits for e in batch)
+        with self._main_lock:
+            self._call_locked(self._main, "decode", wire)  # raises DecodeInterrupted, DecodeError as in-process
+            if len(self._rows) < n_out or self._rows.shape[1] != self.n_vocab:
+                self._rows = np.empty((max(n_out, 2 * len(self._rows), self.n_seq), self.n_vocab), np.float32)
+            out, r = [], 0
+            for e in batch:
+                rows = self._rows[r : r + e.n_logits]
+                if e.n_logits:
+                    self._receive_rows(rows)
+                out.append(rows)
+                r += e.n_logits
+        self._ledger.fed(batch)
+        return out
+
+    def _receive_rows(self, rows: np.ndarray) -> None:
+        if not wait_ready([self._main, self._proc.sentinel], self.call_timeout):
+            self._give_up(f"gave no answer within {self.call_timeout:g} s while sending logits and was stopped")
+        try:
+            n = self._main.recv_bytes_into(memoryview(rows).cast("B"))
+        except (EOFError, OSError):
+            self._give_up(self._exit_cause("sending logits"))
+        if n != rows.nbytes:
+            raise DecodeError(f"the RPC host sent {n} bytes of logits, expected {rows.nbytes}")
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        return self._call("embed", [int(t) for t in tokens])
+
+    def interrupt(self) -> None:
+        ctypes.memmove(self._flag, b"x", 1)
+
+    def clear_interrupt(self) -> None:
+        ctypes.memmove(self._flag, b"\0", 1)
+
+    # -- KV cache (the ledger mirrors the child's) ------------------------------------------
+
+    def kv_trim(self, seq: int, n_keep: int) -> None:
+        self._kv_call("kv_trim", seq, n_keep)
+        self._ledger.trimmed(seq, n_keep)
+
+    def kv_copy(self, src: int, dst: int, n: int) -> None:
+        self._kv_call("kv_copy", src, dst, n)
+        self._ledger.copied(src, dst, n)
+
+    def kv_clear(self, seq: int) -> None:
+        self._kv_call("kv_clear", seq)
+        self._ledger.cleared(seq)
+
+    def _kv_call(self, op: str, seq_or_src: int, *rest) -> None:
+        try:
+            self._call(op, seq_or_src, *rest)
+        except WorkerLostError:
+            raise
+        except Exception:  # e.g. CacheNotTrimmableError: the child's ledger says what the cache holds now
+            touched = rest[0] if op == "kv_copy" else seq_or_src
+            held = self._call("kv_tokens", touched)
+            self._ledger.cleared(touched)
+            self._ledger.fed([BatchEntry(touched, held, 0, 0)])
+            raise
+
+    def kv_tokens(self, seq: int) -> list[int]:
+        return self._ledger.tokens(seq)
+
+    def kv_state_bytes(self, seq: int) -> int:
+        return self._call("kv_state_bytes", seq)
+
+    def close(self) -> None:
+        if getattr(self, "_proc", None) is None:
+            return
+        with self._main_lock, self._side_lock:
+            if self.lost is None and self._proc.is_alive():
+                try:
+                    self._main.send(("close", ()))
+                    self._receive(self._main, CLOSE_WAIT_S, "closing")
+                except (OSError, ValueError, WorkerLostError):
+                    pass  # closing anyway: the child is stopped below
+            self._stop_child()
+            for conn in (self._main, self._side):
+                conn.close()
+            self._proc.close()
+            self._proc = None
+
+    def __del__(self) -> None:  # a forgotten close must not leave the child (and its model) behind
+        try:
+            self.close()
+        except Exception:  # at interpreter exit multiprocessing may be half gone: the daemon child ends anyway
+            return
