@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
@@ -10,6 +12,7 @@ import numpy as np
 from ..errors import BadRequestError
 from .breakers import NO_BREAKERS, DryBreakers, TokenText
 from .dry import dry_penalties
+from .fused import FusedChain
 from .mirostat import mirostat_v1, mirostat_v2
 from .params import _ARGMAX_CHANGING, SamplingParams
 from .stages import (
@@ -49,6 +52,7 @@ class Sampler:
         self.vocab = vocab if vocab is None or isinstance(vocab, TokenText) else TokenText(vocab)
         self._order = params.order
         self._pre = tuple(s for s in self._order if s in _ARGMAX_CHANGING)
+        self._fused = FusedChain.plan(params)  # None: this chain always runs stage by stage
         self._breakers: DryBreakers | None = None
         self._n_row = 0  # the vocabulary size, from the row being sampled
         self._seed = params.seed if params.seed is not None and params.seed >= 0 else np.random.SeedSequence().entropy
@@ -156,8 +160,12 @@ class Sampler:
         p = self.params
         if p.greedy:
             return np.array([int(np.argmax(self.adjusted(row, history)))]), np.array([1.0])
-        c = _Cands(row)
         n_vocab = self._n_row = row.shape[0]
+        if self._fused is not None:
+            fused = self._fused.candidates(row, history, self._stage)
+            if fused is not None:
+                return np.array(fused[0], dtype=np.int64), np.array(fused[1])
+        c = _Cands(row)
         if p.mirostat:
             for name in self._pre:
                 self._stage(name, c, history)
@@ -194,6 +202,13 @@ class Sampler:
         """distribution + draw + commit; greedy is a plain argmax."""
         if self.params.greedy:
             return int(np.argmax(self.adjusted(row, history)))
+        if self._fused is not None:  # its lists, drawn from without numpy (see fused.py)
+            fused = self._fused.candidates(row, history, self._stage)
+            if fused is not None:
+                self._n_row = row.shape[0]
+                cum = list(accumulate(fused[1]))  # np.cumsum's sums, one at a time
+                at = bisect_right(cum, self.rng.random() * cum[-1])
+                return fused[0][min(at, len(cum) - 1)]
         ids, probs = self.distribution(row, history)
         token = self.draw(ids, probs)
         self.commit(token, ids, probs)
