@@ -26,6 +26,10 @@ the leading penalties/dry). A stage left out of the list is off, as in llama-ser
   and partitions those, so a 262k row costs a few passes of numpy, not a sort. Without
   top-k, top-p sorts only the tokens up to where a histogram of the mass crosses p,
   mirostat v2 thresholds the logits, and whole-row exponentials run in float32.
+* The default chains (penalties, DRY, logit bias -> top-k -> top-p, min-p, temperature)
+  run fused on whole-vocabulary rows (`fused`): after a decode the caches hold the
+  weights, so each numpy call costs tens of microseconds cold; the fused path makes few,
+  and gives the staged chain's candidates and draws.
 
 Where this differs from llama.cpp on purpose: logit bias runs after penalties (llama.cpp
 runs it first); `repeat_last_n`/`dry_penalty_last_n` = -1 mean the whole history; DRY's
@@ -39,9 +43,10 @@ Layout: `declare` (how a parameter is declared, and the caps), `params`
 (SamplingParams: each parameter declared once; `PARAMETERS`, what the CLI, the server
 and the chat app derive from), `bias` (the one logit-bias parser), `stages` (the
 candidate set and the truncation/temperature stages), `breakers` (DRY's sequence
-breakers, TokenText), `dry` (DRY's penalties), `mirostat` (v1 and v2), `sampler` (the
-Sampler that runs the chain). Imports point one way: params -> bias, breakers, declare;
-stages, dry and mirostat know no SamplingParams; sampler uses them all.
+breakers, TokenText), `dry` (DRY's penalties), `mirostat` (v1 and v2), `fused` (the
+default chains in a few calls), `sampler` (the Sampler that runs the chain). Imports
+point one way: params -> bias, breakers, declare; stages, dry and mirostat know no
+SamplingParams; fused plans from SamplingParams over stages' _Cands; sampler uses them all.
 """
 
 from __future__ import annotations

@@ -11,11 +11,14 @@ distinct calls, not the work. So this path:
 * penalises the repeated tokens inside the row itself, through a memoryview, and puts
   the old values back before it returns (the caller's row is unchanged afterwards; a
   read-only row is copied first): no patch bookkeeping, no np.unique;
-* finds the top k with one pass (column maxima of a (rows, 4096) view; the k-th largest
-  of them is a lower bound on the k-th largest logit) and one comparison over the row;
-* runs top-p, min-p and temperature on the k sorted candidates with the same numpy
-  operations, in the same order and dtypes, as the staged functions in `stages.py`, so
-  the candidates and probabilities are the same bits (tests/test_sampling_fused.py).
+* finds the top k with one pass (column maxima of a (rows, 4096) view; every top-k
+  logit sits in one of the k columns with the largest maxima) and a gather of a
+  (rows, k) block;
+* runs top-p, min-p, temperature and the draw in Python floats over the k sorted
+  candidates: the cuts and roundings are the staged functions' (`stages.py`), the
+  exponentials run in float64 instead of float32, so a probability may differ in its
+  7th digit, and the candidates and draws are the staged chain's except where a top-p
+  cut or a uniform falls within that of a boundary (tests/test_sampling_fused.py).
 
 Anything else (mirostat, a truncation before top-k, typical, XTC that can fire,
 top-n-sigma, dynamic temperature, no top-k, a small row) uses the staged chain.
