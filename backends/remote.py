@@ -87,14 +87,16 @@ def accepts(endpoint: str, timeout: float = REACH_TIMEOUT_S) -> bool:
 
 
 def lost_message(cause: str, endpoints: Sequence[str], gone: Sequence[str]) -> str:
+    """The one line for a lost host process: `gone` are the workers that no longer accept
+    a connection (the likely cause), `cause` what the process did."""
     if gone:
         restart = "; ".join(f"restart `localrun rpc-worker` on {ep}" for ep in gone)
         who = "worker" if len(gone) == 1 else "workers"
-        return (f"lost the RPC {who} at {', '.join(gone)} (the model's host process {cause}): {restart};"
+        return (f"lost the RPC {who} at {', '.join(gone)} (the process running the model {cause}): {restart};"
                 " the next request loads the model again")
-    return (f"the process running the model over the RPC workers {cause}, yet every worker"
-            f" ({', '.join(endpoints)}) still accepts connections: check their output (a worker that hangs needs"
-            " a restart of `localrun rpc-worker`); the next request loads the model again")
+    return (f"the process running the model over the RPC workers {cause}; every worker ({', '.join(endpoints)})"
+            " still accepts connections, so one of them hangs or failed inside: check their output and restart"
+            " the one that hangs (`localrun rpc-worker`); the next request loads the model again")
 
 
 class RemoteBackend:
@@ -133,7 +135,7 @@ class RemoteBackend:
         main_child.close()  # only the child holds its ends now: its exit closes the pipes
         side_child.close()
         try:
-            status, value = self._receive(self._main, load_timeout, "loading the model")
+            status, value = self._receive(self._main, load_timeout, "while loading the model")
         except WorkerLostError as exc:
             raise ModelLoadError(str(exc)) from None
         if status == "raise":
@@ -163,17 +165,17 @@ class RemoteBackend:
             except (EOFError, OSError):
                 pass  # the child closed the pipe mid-answer: it is gone
         elif not ready:
-            self._give_up(f"gave no answer within {timeout:g} s while {doing} and was stopped")
+            self._give_up(f"gave no answer within {timeout:g} s {doing} and was stopped")
         self._give_up(self._exit_cause(doing))
 
     def _exit_cause(self, doing: str) -> str:
         self._proc.join(1.0)
         code = self._proc.exitcode
         if code is None:
-            return f"closed its pipe while {doing}"
+            return f"closed its pipe {doing}"
         if code < 0:
-            return f"was killed by signal {-code} while {doing}"
-        return f"ended with exit code {code} while {doing}"
+            return f"was killed by signal {-code} {doing}"
+        return f"ended with exit code {code} {doing}"
 
     def _give_up(self, cause: str):
         """Stop the child (once), work out which worker is gone, and raise WorkerLostError."""
@@ -181,8 +183,7 @@ class RemoteBackend:
             if self.lost is None:
                 self._stop_child(kill=True)
                 gone = [ep for ep in self.endpoints if not accepts(ep)]
-                self.lost = lost_message(cause, self.endpoints, gone)
-                _log.error("%s", self.lost)
+                self.lost = lost_message(cause, self.endpoints, gone)  # the server logs it where it fails
         raise WorkerLostError(self.lost)
 
     def _call(self, op: str, *args, side: bool = False):
@@ -196,8 +197,8 @@ class RemoteBackend:
         try:
             conn.send((op, args))
         except (OSError, ValueError):  # a broken pipe, or closed here by another thread's give-up
-            self._give_up(self._exit_cause(op))
-        status, value = self._receive(conn, self.call_timeout, op)
+            self._give_up(self._exit_cause(f"during {op}"))
+        status, value = self._receive(conn, self.call_timeout, f"during {op}")
         if status == "raise":
             raise value
         return value
@@ -258,7 +259,7 @@ class RemoteBackend:
         try:
             n = self._main.recv_bytes_into(memoryview(rows).cast("B"))
         except (EOFError, OSError):
-            self._give_up(self._exit_cause("sending logits"))
+            self._give_up(self._exit_cause("while sending logits"))
         if n != rows.nbytes:
             raise DecodeError(f"the RPC host sent {n} bytes of logits, expected {rows.nbytes}")
 
@@ -308,11 +309,12 @@ class RemoteBackend:
             return
         with self._main_lock, self._side_lock:
             if self.lost is None and self._proc.is_alive():
-                try:
+                try:  # the child frees the model (on the workers too) and exits
                     self._main.send(("close", ()))
-                    self._receive(self._main, CLOSE_WAIT_S, "closing")
-                except (OSError, ValueError, WorkerLostError):
-                    pass  # closing anyway: the child is stopped below
+                except (OSError, ValueError):
+                    pass  # it is gone already: nothing to free
+                # no verdict on a child that dies while closing (its worker may be gone): it ends either way
+                wait_ready([self._main, self._proc.sentinel], CLOSE_WAIT_S)
             self._stop_child()
             for conn in (self._main, self._side):
                 conn.close()

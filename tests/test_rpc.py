@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from localrun import rpc
@@ -384,6 +385,79 @@ def test_serve_answers_over_workers(workers, smollm2_gguf):
 
 
 # -- serve: the model in a child process, so a dead worker fails only its answers ------------
+
+
+def _exercise(backend) -> dict:
+    """The same calls, as the engine makes them, on a fresh backend; what each answered."""
+    from localrun.backends.base import BatchEntry
+
+    out = {"tokens": backend.tokenize(PROMPT, add_special=True), "vocab": [backend.token_bytes(t) for t in
+           range(backend.n_vocab)], "control": [t for t in range(backend.n_vocab) if backend.is_control(t)],
+           "eos_text": backend.token_text(backend.info.eos_id)}
+    a, b = out["tokens"], backend.tokenize("Count to five:", add_special=True)
+    rows = backend.decode([BatchEntry(0, a, 0, 1), BatchEntry(1, b, 0, 3)])  # two sequences, 1 and 3 rows
+    out["prompt_rows"] = [np.array(r) for r in rows]
+    nxt = [int(out["prompt_rows"][0][-1].argmax())], [int(out["prompt_rows"][1][-1].argmax())]
+    rows = backend.decode([BatchEntry(1, nxt[1], len(b), 1), BatchEntry(0, nxt[0], len(a), 1)])
+    out["step_rows"] = [np.array(r) for r in rows]
+    backend.kv_trim(1, len(b) - 2)
+    backend.kv_copy(0, 1, len(a) - 1)
+    out["kv"] = [list(backend.kv_tokens(s)) for s in (0, 1)]
+    out["kv_bytes"] = backend.kv_state_bytes(1)
+    backend.kv_clear(0)
+    out["cleared"] = list(backend.kv_tokens(0))
+    out["embedding"] = np.array(backend.embed(a))
+    return out
+
+
+@needs_rpc
+def test_the_model_in_a_child_process_answers_as_in_process(workers, smollm2_gguf):
+    """RemoteBackend against LlamaCppBackend over the same two workers: the same tokens,
+    vocabulary, bit-identical logits rows of a two-sequence batch, the same KV ledger; it
+    keeps the whole Backend contract; interrupt() stops its decode across the process
+    boundary; close() ends the child."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_backend_contract import contract_gaps
+
+    from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted
+    from localrun.backends.llamacpp import LlamaCppBackend
+    from localrun.backends.remote import RemoteBackend
+
+    cluster = rpc.connect([rpc.Endpoint("127.0.0.1", w.port) for w in workers], (1.0, 1.0, 1.0), activate=False)
+    options = dict(n_ctx=256, n_seq=2, n_batch=64, threads=1, workers=cluster)
+    local = LlamaCppBackend(str(smollm2_gguf), **options)  # a worker serves one client: one after the other
+    try:
+        want = _exercise(local)
+    finally:
+        local.close()
+    hosted = RemoteBackend(str(smollm2_gguf), **options)
+    try:
+        assert contract_gaps(hosted) == [] and isinstance(hosted, Backend)
+        assert hosted.info == local.info and hosted.placement.describe() == local.placement.describe()
+        got = _exercise(hosted)
+        for key in ("tokens", "vocab", "control", "eos_text", "kv", "kv_bytes", "cleared"):
+            assert got[key] == want[key], key
+        for key in ("prompt_rows", "step_rows"):
+            assert [r.shape for r in got[key]] == [r.shape for r in want[key]]
+            for g, w in zip(got[key], want[key]):
+                np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-5, atol=1e-6)
+
+        held = list(hosted.kv_tokens(1))
+        hosted.interrupt()  # before the decode: "the decode in flight, or the next one"
+        with pytest.raises(DecodeInterrupted):
+            hosted.decode([BatchEntry(1, got["tokens"], len(held), 1)])
+        assert list(hosted.kv_tokens(1)) == held
+        hosted.interrupt()
+        hosted.clear_interrupt()  # withdrawn: the next decode runs
+        assert hosted.decode([BatchEntry(1, [1], len(held), 1)])[0].shape == (1, hosted.n_vocab)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            hosted.token_bytes(hosted.n_vocab)
+        pid = hosted._proc.pid
+    finally:
+        hosted.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the child has exited and been reaped
 
 
 def _stream_until_error(url: str, on_tokens, n_before: int = 4, timeout: float = 120) -> tuple[str, list[dict]]:

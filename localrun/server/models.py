@@ -446,7 +446,7 @@ class ModelManager:
         """Take a model whose backend process died out of `loaded`; its scheduler stops and
         its engine is freed in the background (the requests holding it have failed)."""
         del self.loaded[model.name]
-        log.warning("%s: its RPC host process is gone; the model loads again", model.name)
+        log.warning("%s loads again: %s", model.name, model.engine.backend.lost)
         _track(self._unloading, model.path, asyncio.create_task(self._shutdown(model)))
 
     # -- unloading -------------------------------------------------------------------

@@ -237,7 +237,10 @@ class Scheduler:
             try:
                 self._step(active)
             except Exception as exc:  # a backend failure ends these requests, not the server
-                log.exception("generation failed on %s", self._thread.name)
+                if isinstance(exc, LocalrunError):  # foreseeable (a lost RPC worker): its line says it all
+                    log.error("generation failed on %s: %s", self._thread.name, exc)
+                else:
+                    log.exception("generation failed on %s", self._thread.name)
                 reason = str(exc) if isinstance(exc, LocalrunError) else "internal error, see the server log"
                 with self._cv:
                     for job in active:
