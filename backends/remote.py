@@ -57,7 +57,8 @@ class WorkerLostError(DecodeError):
     http_status = 503
 
 
-def call_timeout_default() -> float:
+def call_timeout_default() -> float | None:
+    """CALL_TIMEOUT_S, or LOCALRUN_RPC_CALL_TIMEOUT_S ("inf": wait as long as a call takes)."""
     raw = os.environ.get("LOCALRUN_RPC_CALL_TIMEOUT_S")
     if not raw:
         return CALL_TIMEOUT_S
@@ -67,7 +68,7 @@ def call_timeout_default() -> float:
         value = 0.0
     if not value > 0:
         raise ModelLoadError(f"LOCALRUN_RPC_CALL_TIMEOUT_S must be a number of seconds above 0, got {raw!r}")
-    return value
+    return None if value == float("inf") else value
 
 
 def is_lost(backend) -> bool:
@@ -109,14 +110,15 @@ class RemoteBackend:
     def __init__(self, path: str | os.PathLike, workers: "rpc.Cluster | None" = None,
                  call_timeout: float | None = None, load_timeout: float = LOAD_TIMEOUT_S, **options) -> None:
         """workers: the cluster to split over (None: the one `--rpc` registered in this
-        process); options: LlamaCppBackend's (n_ctx, n_seq, n_batch, threads, n_gpu_layers,
-        kv_cache_type)."""
+        process); call_timeout: seconds a call may take before the child is given up
+        (default: call_timeout_default()); options: LlamaCppBackend's (n_ctx, n_seq,
+        n_batch, threads, n_gpu_layers, kv_cache_type)."""
         from . import subprocess_host
 
         cluster = workers if workers is not None else rpc.active()
         if cluster is None:
             raise ValueError("RemoteBackend needs RPC workers: pass workers= or register them with --rpc first")
-        self.call_timeout = call_timeout_default() if call_timeout is None else float(call_timeout)
+        self.call_timeout = call_timeout_default() if call_timeout is None else call_timeout  # None: no bound
         self.endpoints = [str(w.endpoint) for w in cluster.workers]
         self.lost: str | None = None  # why the child is gone, once it is
         self._main_lock = threading.Lock()  # one call at a time per pipe
@@ -260,8 +262,10 @@ class RemoteBackend:
             n = self._main.recv_bytes_into(memoryview(rows).cast("B"))
         except (EOFError, OSError):
             self._give_up(self._exit_cause("while sending logits"))
-        if n != rows.nbytes:
-            raise DecodeError(f"the RPC host sent {n} bytes of logits, expected {rows.nbytes}")
+        except mp.BufferTooShort:
+            n = -1
+        if n != rows.nbytes:  # the pipe is out of step with the calls: only a new child can be trusted
+            self._give_up(f"sent logits of another size than the {rows.nbytes} bytes asked for")
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
         return self._call("embed", [int(t) for t in tokens])
@@ -308,14 +312,15 @@ class RemoteBackend:
         if getattr(self, "_proc", None) is None:
             return
         with self._main_lock, self._side_lock:
+            answered = False
             if self.lost is None and self._proc.is_alive():
                 try:  # the child frees the model (on the workers too) and exits
                     self._main.send(("close", ()))
                 except (OSError, ValueError):
                     pass  # it is gone already: nothing to free
                 # no verdict on a child that dies while closing (its worker may be gone): it ends either way
-                wait_ready([self._main, self._proc.sentinel], CLOSE_WAIT_S)
-            self._stop_child()
+                answered = bool(wait_ready([self._main, self._proc.sentinel], CLOSE_WAIT_S))
+            self._stop_child(kill=not answered)
             for conn in (self._main, self._side):
                 conn.close()
             self._proc.close()

@@ -209,6 +209,34 @@ def test_rpc_aborts_become_one_line_that_names_the_worker():
     assert rpc.abort_message("/src/llama-kv-cache.cpp:9: GGML_ASSERT(x) failed", hellos) is None  # not ours
 
 
+def test_a_lost_host_process_names_the_worker_that_is_gone_and_what_to_do(monkeypatch):
+    from localrun.backends.remote import CALL_TIMEOUT_S, accepts, call_timeout_default, lost_message
+    from localrun.errors import ModelLoadError
+
+    gone = f"127.0.0.1:{free_port()}"
+    alive = FakeServer(lambda c: None)
+    try:
+        assert accepts(str(alive.endpoint)) and not accepts(gone)
+    finally:
+        alive.close()
+    line = lost_message("ended with exit code 3 during decode", [gone, str(alive.endpoint)], [gone])
+    assert line.startswith(f"lost the RPC worker at {gone} (the process running the model ended with exit code 3")
+    assert f"restart `localrun rpc-worker` on {gone}" in line and str(alive.endpoint) not in line
+    hung = lost_message("gave no answer within 120 s during decode and was stopped", ["a:1", "b:2"], [])
+    assert "every worker (a:1, b:2) still accepts connections" in hung and "restart the one that hangs" in hung
+
+    monkeypatch.delenv("LOCALRUN_RPC_CALL_TIMEOUT_S", raising=False)
+    assert call_timeout_default() == CALL_TIMEOUT_S
+    monkeypatch.setenv("LOCALRUN_RPC_CALL_TIMEOUT_S", "2.5")
+    assert call_timeout_default() == 2.5
+    monkeypatch.setenv("LOCALRUN_RPC_CALL_TIMEOUT_S", "inf")
+    assert call_timeout_default() is None  # no bound
+    for bad in ("0", "-3", "soon", "nan"):
+        monkeypatch.setenv("LOCALRUN_RPC_CALL_TIMEOUT_S", bad)
+        with pytest.raises(ModelLoadError, match="LOCALRUN_RPC_CALL_TIMEOUT_S must be a number of seconds"):
+            call_timeout_default()
+
+
 # -- command-line errors (any build) ---------------------------------------------------
 
 
