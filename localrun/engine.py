@@ -13,7 +13,7 @@ row asked for), which is how speculation plugs in without a second engine.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -25,99 +25,25 @@ from localrun.backends.base import DEFAULT_N_BATCH, Backend, BatchEntry, DecodeI
 from . import chat_template as chat_template_module
 from . import slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
+from .generation import Completion, Event, Generation, Timings
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
-from .speculative import DraftController, propose
-from .textstream import StopMatcher, Utf8Stream
-from .tools import ToolCall, ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
-from .tools.model import CallOutput, ModelTools
+from .speculative import BatchDrift, DraftController, StepCost
+from .textstream import StopMatcher
+from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
+from .tools.model import ModelTools
+
+__all__ = ["Completion", "Engine", "Event", "Generation", "Timings"]
 
 
 @dataclass
-class Timings:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV a previous request left in the slot
-    prefill_ms: float = 0.0
-    decode_tokens: int = 0  # tokens produced after the first one
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    generated_tokens: int = 0
-    steps: int = 0  # backend steps that produced tokens (prompt lookup makes it < tokens)
-    drafted: int = 0
-    accepted: int = 0
+class _Feed:
+    """One generation's part of a step: its batch entry, and the draft it carries."""
 
-    @property
-    def tokens_per_step(self) -> float:
-        return self.generated_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def prefill_tps(self) -> float:
-        evaluated = self.prompt_tokens - self.cached_tokens
-        return evaluated / (self.prefill_ms / 1000) if self.prefill_ms > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
-
-
-@dataclass
-class Event:
-    """A piece of streamed output; the last one has finish_reason and timings."""
-
-    text: str  # content: a tool call's markup never appears here
-    tokens: list[int]
-    # "stop" (EOS or stop string) | "length" | "tool_calls" (ended normally after a call)
-    finish_reason: str | None = None
-    timings: Timings | None = None
-    # with SamplingParams.n_probs > 0: per token, the n most likely (id, probability)
-    top_probs: list[list[tuple[int, float]]] | None = None
-    # with n_probs > 0: per token, the probability the model gave the token it produced
-    token_probs: list[float] | None = None
-    # with tools: the calls' pieces produced with this text (first delta of a call: id, name)
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-@dataclass
-class Completion:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    timings: Timings
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-@dataclass
-class Generation:
-    seq: int
-    prompt: list[int]
-    sampler: Sampler
-    max_tokens: int
-    stops: StopMatcher
-    stop_ids: frozenset[int]
-    history: list[int] = field(default_factory=list)  # prompt + generated, in order
-    n_cached: int = 0  # how many of history's tokens the backend's KV holds
-    output: list[int] = field(default_factory=list)
-    lookup: DraftController | None = None
-    matcher: GrammarMatcher | None = None
-    calls: CallOutput | None = None  # with tools: splits the text into content and calls
-    finish_reason: str | None = None
-    timings: Timings = field(default_factory=Timings)
-    _utf8: Utf8Stream = field(default_factory=Utf8Stream)
-    _t_start: float = 0.0
-    _t_first: float = 0.0
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def pending(self) -> list[int]:
-        return self.history[self.n_cached :]
+    gen: Generation
+    entry: BatchEntry
+    draft: list[int]
 
 
 class Engine:
@@ -132,6 +58,8 @@ class Engine:
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
         self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
+        self.step_cost = StepCost()  # what a wider speculative step costs on this model
+        self.drift = BatchDrift()  # how far a wide step's rows stray from one-row steps'
 
     @property
     def supports_tools(self) -> bool:
@@ -241,7 +169,7 @@ class Engine:
             n_cached=n_keep,
         )
         if request.lookup.enabled:
-            gen.lookup = DraftController(request.lookup)
+            gen.lookup = DraftController(request.lookup, self.step_cost)
         if request.tools:  # prepare() built and compiled it: cache hits
             grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
@@ -318,115 +246,159 @@ class Engine:
 
     def step(self, gens: Sequence[Generation], budget: int | None = None) -> dict[int, Event]:
         """One backend decode across every unfinished generation; events keyed by seq.
-        `budget` caps the tokens of this step (default and ceiling: the backend's n_batch)."""
+        `budget` caps the tokens of this step (default and ceiling: the backend's n_batch).
+        A generation reading its prompt feeds a chunk of it (a prefill); a decoding one
+        feeds its pending token (a plain step), plus a draft when prompt lookup expects
+        one to pay (a speculative step)."""
         live = [g for g in gens if not g.done]
         self._gather(live)
-        # decoding sequences first: their single token must not wait behind a prefill
-        live.sort(key=lambda g: len(g.pending) > 1)
-        budget = self.backend.n_batch if budget is None else max(1, min(budget, self.backend.n_batch))
-        batch: list[BatchEntry] = []
-        owners: list[tuple[Generation, list[int]]] = []
-        for g in live:
-            if budget <= 0:
-                break
-            pend = g.pending
-            draft = self._draft(g, budget - 1) if len(pend) == 1 and g.max_tokens else []
-            chunk = pend[:budget] + draft
-            last = len(chunk) == len(pend) + len(draft)
-            # max_tokens 0 reads the prompt into the slot and stops: no logits needed
-            wants = 1 + len(draft) if last and g.max_tokens else 0
-            batch.append(BatchEntry(g.seq, chunk, g.n_cached, wants))
-            owners.append((g, draft))
-            budget -= len(chunk)
-        if not batch:
+        live.sort(key=lambda g: not g.decoding)  # a decoder's one token must not wait behind a prefill
+        feeds = self._plan(live, budget)
+        if not feeds:
             return {}
         t0 = time.perf_counter()
         try:
-            rows = self.backend.decode(batch)
+            rows = self.backend.decode([f.entry for f in feeds])
         except DecodeInterrupted:  # someone (a hung-up client) stopped it: nothing advanced
             return {}
-        events: dict[int, Event] = {}
         now = time.perf_counter()
-        for (g, draft), e, r in zip(owners, batch, rows):
-            if not e.n_logits:
-                g.n_cached += len(e.tokens)
+        if len(feeds) == 1 and feeds[0].gen.decoding and feeds[0].entry.n_logits:
+            self.step_cost.observe(len(feeds[0].entry.tokens), (now - t0) * 1000)
+        events: dict[int, Event] = {}
+        for f, r in zip(feeds, rows):
+            g = f.gen
+            if not f.entry.n_logits:  # a prompt chunk, or the whole prompt for max_tokens 0
+                g.fed(len(f.entry.tokens))
                 if not g.max_tokens and not g.pending:
-                    g.timings.prefill_ms = (now - g._t_start) * 1000
+                    g.prompt_read(now)
                     events[g.seq] = self._finish(g, "length")
                 continue
-            n_known = len(e.tokens) - len(draft)
-            if g.lookup is not None and n_known == 1:  # a decode step, not a prefill
-                g.lookup.observe_step(len(draft), (now - t0) * 1000)
-            events[g.seq] = self._verify(g, n_known, draft, r, now)
+            ev = self._speculative_step(g, f.draft, r, now) if f.draft else self._plain_step(g, f.entry, r, now)
+            if ev is not None:
+                events[g.seq] = ev
         return events
+
+    def _plan(self, live: list[Generation], budget: int | None) -> list[_Feed]:
+        """What each generation feeds this step, within the token budget."""
+        budget = self.backend.n_batch if budget is None else max(1, min(budget, self.backend.n_batch))
+        feeds: list[_Feed] = []
+        for g in live:
+            if budget <= 0:
+                break
+            draft = self._draft(g, budget - 1) if g.decoding and g.max_tokens else []
+            chunk = g.pending[:budget] + draft
+            last = len(chunk) == len(g.pending) + len(draft)
+            # max_tokens 0 reads the prompt into the slot and stops: no logits needed
+            wants = 1 + len(draft) if last and g.max_tokens else 0
+            feeds.append(_Feed(g, BatchEntry(g.seq, chunk, g.n_cached, wants), draft))
+            budget -= len(chunk)
+        return feeds
 
     def _draft(self, g: Generation, room: int) -> list[int]:
         """Prompt-lookup draft for a decoding generation, within every limit it has."""
-        if g.lookup is None:
+        if not g.may_draft():
             return []
-        cfg = g.lookup.cfg
-        k = min(room, g.max_tokens - len(g.output) - 1, self.n_ctx - len(g.history) - 1)
-        if k <= 0:
-            return []
-        k = min(k, g.lookup.draft_length())
-        return propose(g.history, cfg.min_n, cfg.max_n, k) if k > 0 else []
+        k = min(room, g.tokens_left - 1, self.n_ctx - len(g.history) - 1)
+        return g.lookup.draft(g.history, k) if k > 0 else []
 
-    def _verify(self, g: Generation, n_known: int, draft: list[int], rows, now: float) -> Event:
-        """Turn the rows of one step into tokens: the row after the n_known history
-        tokens fed, then one per draft token while drafts are kept; the KV of rejected
-        drafts is trimmed."""
-        fed = g.n_cached + n_known + len(draft)
+    def _plain_step(self, g: Generation, fed: BatchEntry, rows, now: float) -> Event:
+        """The row after the tokens fed gives the next token."""
+        g.fed(len(fed.tokens))
+        event = self._produce(g, rows[0], now)
+        g.stepped(0, 0, 0)
+        return event
+
+    def _speculative_step(self, g: Generation, draft: list[int], rows, now: float) -> Event | None:
+        """Rows for the pending token and each draft token: each row is sampled exactly as
+        a plain step would, and a draft is kept while it is the token sampled; the KV of
+        what was not kept is trimmed. Under greedy sampling a row from this wide step is
+        trusted only where its choice leads by more than the model's measured batch drift
+        (speculative.BatchDrift); the first row that does not is left to a one-row step.
+        Returns None when no token came out (the very first row was left)."""
+        base = g.n_cached  # where the pending token sits
+        greedy = g.sampler.params.greedy
+        lead = None  # the lead a greedy token needs in a wide step's row
+        if greedy and self.drift.calibrating:
+            rows = self._recompute_alone(g, draft, rows)  # exact: rows of one-row steps
+            if rows is None:
+                return None
+        elif greedy and self.drift.margin > 0:
+            lead = self.drift.margin
         events: list[Event] = []
-        kept = 0
+        kept, unsure = 0, False
         for i in range(len(draft) + 1):
-            # the grammar's mask follows every token accepted so far in this step
-            row = rows[i] if g.matcher is None else self._constrain(g, rows[i])
-            n_probs = g.sampler.params.n_probs
-            alternatives = g.sampler.top_probs(row, g.history, n_probs) if n_probs else None
-            if i < len(draft):
-                token, ok = self._judge(g, row, draft[i])
-            else:
-                token, ok = g.sampler.sample(row, g.history), False
-            events.append(self._accept(g, token, now))
-            if alternatives is not None and events[-1].tokens:
-                events[-1].top_probs = [alternatives]
-                # the drawn token is nearly always among the alternatives (same raw
-                # scale): a second softmax over the vocabulary only when it is not
-                known = dict(alternatives)
-                p = known[token] if token in known else g.sampler.token_prob(row, token)
-                events[-1].token_probs = [p]
-            if g.done or not ok:
+            event = self._produce(g, rows[i], now, lead)
+            if event is None:
+                unsure = True
+                break
+            events.append(event)
+            if g.done or i == len(draft) or event.tokens[-1:] != [draft[i]]:
                 break
             kept += 1
-        g.n_cached += n_known + kept
-        if g.n_cached < fed and not g.done:
+        if unsure:  # the row of position base + i is recomputed alone next step
+            g.redo_alone(base + len(events))
+        else:
+            g.fed(1 + kept)
+        if g.n_cached < base + 1 + len(draft) and not g.done:
             try:
                 self.backend.kv_trim(g.seq, g.n_cached)
             except CacheNotTrimmableError:  # an MLX rotating window: read the history again
                 self.backend.kv_clear(g.seq)
-                g.n_cached = 0  # the next steps read the history again
-                g.lookup = None  # and stop drafting, which would need the cut again
-        t = g.timings
-        t.steps += 1
-        t.drafted += len(draft)
-        t.accepted += kept
-        if g.lookup is not None:
-            g.lookup.record(len(draft), kept, len(events))
-        if len(events) == 1:
-            return events[0]
-        last = events[-1]
-        probs = [p for e in events for p in (e.top_probs or [])] or None
-        chosen = [p for e in events for p in (e.token_probs or [])] or None
-        calls = [d for e in events for d in (e.tool_calls or [])] or None
-        return Event(
-            "".join(e.text for e in events),
-            [t for e in events for t in e.tokens],
-            last.finish_reason,
-            last.timings,
-            probs,
-            chosen,
-            calls,
-        )
+                g.forgot()
+        if not events:
+            return None
+        g.stepped(len(draft), kept, kept if unsure else len(draft))
+        return Event.joined(events)
+
+    @staticmethod
+    def _clear_greedy(g: Generation, row: np.ndarray, lead: float) -> int | None:
+        """The greedy token of a wide step's row, or None when it leads the runner-up by
+        no more than `lead` (a one-row step might choose otherwise)."""
+        adjusted = g.sampler.adjusted(row, g.history)
+        best = int(np.argmax(adjusted))
+        before = adjusted[:best].max(initial=-np.inf)
+        after = adjusted[best + 1 :].max(initial=-np.inf)
+        return best if adjusted[best] - max(before, after) > lead else None
+
+    def _recompute_alone(self, g: Generation, draft: list[int], wide_rows) -> list[np.ndarray] | None:
+        """Decode the pending token and the draft again one row at a time (the rows a
+        plain run would see), measuring on the way how far the wide step's rows strayed
+        from them: how much the top-two margin of each row changed."""
+        base = g.n_cached
+        wide_rows = np.array(wide_rows)  # a backend's rows may live in a buffer the next decode reuses
+        try:
+            self.backend.kv_trim(g.seq, base)
+            alone = []
+            for j, token in enumerate([g.history[base]] + draft):
+                row = np.array(self.backend.decode([BatchEntry(g.seq, [token], base + j, 1)])[0][0])
+                two = np.argpartition(row, -2)[-2:]
+                wide = wide_rows[j]
+                self.drift.observe(abs(float((wide[two[1]] - wide[two[0]]) - (row[two[1]] - row[two[0]]))))
+                alone.append(row)
+            return alone
+        except DecodeInterrupted:  # nothing is decided this step; the KV goes back to the pending token
+            self.backend.kv_trim(g.seq, base)
+            return None
+        except CacheNotTrimmableError:  # no cut, no recomputing: the wide rows it is
+            return wide_rows
+
+    def _produce(self, g: Generation, raw_row, now: float, lead: float | None = None) -> Event | None:
+        """Choose a token from one row (through the grammar's mask, if any) and emit it.
+        With `lead` (greedy, a wide step's row): None when the choice is too close to call."""
+        row = raw_row if g.matcher is None else self._constrain(g, raw_row)
+        n_probs = g.sampler.params.n_probs
+        alternatives = g.sampler.top_probs(row, g.history, n_probs) if n_probs else None
+        token = g.sampler.sample(row, g.history) if lead is None else self._clear_greedy(g, row, lead)
+        if token is None:
+            return None
+        event = self._accept(g, token, now)
+        if alternatives is not None and event.tokens:
+            event.top_probs = [alternatives]
+            # the drawn token is nearly always among the alternatives (same raw scale): a
+            # second softmax over the vocabulary only when it is not
+            known = dict(alternatives)
+            event.token_probs = [known[token] if token in known else g.sampler.token_prob(row, token)]
+        return event
 
     @staticmethod
     def _constrain(g: Generation, row):
@@ -456,27 +428,9 @@ class Engine:
         out[keep] = row[keep]
         return out
 
-    def _judge(self, g: Generation, row, drafted: int) -> tuple[int, bool]:
-        """Sample the row exactly as a plain step would; the draft is kept iff it is
-        that token (probability p(draft); see localrun/speculative.py)."""
-        token = g.sampler.sample(row, g.history)
-        return token, token == drafted
-
     def _accept(self, g: Generation, token: int, now: float) -> Event:
-        t = g.timings
-        if not g.output:
-            g._t_first = now
-            t.ttft_ms = t.prefill_ms = (now - g._t_start) * 1000
-        else:
-            t.decode_tokens = len(g.output)
-            t.decode_ms = (now - g._t_first) * 1000
-        if token in g.stop_ids:  # the end-of-turn token itself is not output
+        if not g.took(token, now):
             return self._finish(g, "stop")
-        if g.matcher is not None:
-            g.matcher.accept(token)
-        g.output.append(token)
-        g.history.append(token)
-        t.generated_tokens = len(g.output)
         piece = g._utf8.feed(self.backend.token_bytes(token))
         calls = None
         if g.calls is not None:  # stop strings apply to content only, never inside a call
@@ -509,11 +463,9 @@ class Engine:
                 calls = (calls or []) + more or None
             tail, hit = g.stops.feed(tail)
             text += tail + ("" if hit else g.stops.flush())
-        if reason == "stop" and g.calls is not None and g.calls.made_calls and g.stops.matched is None:
-            reason = "tool_calls"
-        g.finish_reason = reason
+        g.ended(reason)
         self.release(g)
-        return Event(text, [token] if token is not None else [], reason, g.timings, tool_calls=calls)
+        return Event(text, [token] if token is not None else [], g.finish_reason, g.timings, tool_calls=calls)
 
     def generate(
         self, prompt: str | Sequence[int], request: GenerationRequest | None = None, **options

@@ -1,116 +1,253 @@
 """Prompt-lookup speculative decoding: drafts from the context itself, exact verification.
 
-`propose` finds the most recent earlier occurrence of the last n tokens and proposes
-what followed it. Example, history = [5, 6, 7, 9, 5, 6], min_n=1, max_n=3, k=3: the
-last 3 tokens, [9, 5, 6], do not occur earlier; the last 2, [5, 6], occur at 0..1,
-followed by [7, 9, 5, 6] -> propose [7, 9, 5]. Never [] (a match exists) and never a
-proposal taken from the suffix matching itself.
+**Drafting.** `NgramIndex` keeps, for one generation, where every pair of neighbouring
+tokens occurred in its history (prompt + answer). To draft, it takes the most recent
+earlier occurrences of the history's last two tokens, extends each match backwards
+(how many tokens before them agree too), and proposes what followed the longest match.
+Example, history = [5, 6, 7, 9, 5, 6]: the pair [5, 6] occurred at 0..1, the match is
+2 tokens long, and [7, 9, 5, 6] followed it.
 
-Verification (in the engine) scores the pending token plus the k drafts in one backend
-step, then samples each row exactly as without speculation (same chain, same RNG
-draw) and keeps a draft while it equals the sampled token. A draft x is therefore kept
-with probability p(x), and on rejection the emitted token y != x has law
-p(y) / (1 - p(x)): p with x removed, renormalised. The output is not only distributed
-as without speculation, it is the same token sequence for the same seed, because every
-emitted position consumes the RNG exactly as a plain step does (at temperature 0:
-the same argmax).
+**How much to draft.** A long match is evidence that the answer is copying a span (a
+code edit, a quote), so `DraftController` keeps one acceptance estimate per band of
+match length, and `StepCost` keeps the measured time of a step per number of rows (on
+a CPU the cost of a wider step is sublinear: weights are read once per step, so 17
+rows cost ~7 single steps on Gemma-3, not 17). The draft length is the one that
+maximises expected tokens per unit of step time; when no length pays by a margin, the
+step is a plain one. These estimates change how many tokens a step verifies, never
+which tokens come out.
 
-`DraftController` adapts the draft length to the measured acceptance and to the
-measured cost of a wider step (on a CPU a k-row step with all logits costs much more
-than on a GPU, and most on a 262k vocabulary, where the output layer dominates), and
-switches speculation off when it does not pay, probing again later. Its timing only
-changes how many tokens a step verifies, never which tokens come out.
+**Verification** (in the engine) scores the pending token plus the k drafts in one
+backend step, then samples each row exactly as without speculation (same chain, same
+RNG draw) and keeps a draft while it equals the sampled token. A draft x is therefore
+kept with probability p(x), and on rejection the emitted token y != x has law
+p(y) / (1 - p(x)): p with x removed, renormalised. Every emitted position consumes the
+RNG exactly as a plain step does.
+
+**Temperature 0.** A row computed in a wide step is not always bit-identical to the
+same row computed alone (llama.cpp picks other kernels for other batch shapes; on this
+project's CPU Gemma-3's top-two margins moved by up to 0.85, SmolLM2's by 0).
+`BatchDrift` measures that on the first speculative steps of a model (by recomputing
+them one row at a time, which also decides those tokens exactly), and from then on a
+greedy token is taken from a wide step only where it leads the runner-up by more than
+the measured drift; otherwise the step stops there and a one-row step decides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+# Match-length bands (upper bounds, inclusive) and the acceptance each starts from before
+# any draft of this generation was judged: longer agreement with an earlier span makes
+# copying likelier. The priors only open the door; measurements take over within a few
+# drafts.
+BANDS = (2, 4, 8, 16, 1 << 30)
+PRIOR_RATE = (0.3, 0.5, 0.65, 0.8, 0.9)
+PRIOR_WEIGHT = 3.0  # the prior counts as this many judged tokens
+DECAY = 0.9  # per draft judged in a band: older evidence fades
+MAX_MATCH = 64  # how far a match is extended backwards (longer says nothing more)
+CANDIDATES = 8  # most recent occurrences of the pair examined per draft
 
 
-def propose(history, min_n: int = 1, max_n: int = 3, k: int = 8) -> list[int]:
-    """Tokens that followed the most recent earlier occurrence of history's last n tokens."""
-    arr = np.asarray(history, dtype=np.int64)
-    size = arr.shape[0]
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        if n <= 0:
-            break
-        # windows starting at 0 .. size-n-1: every earlier n-gram that has a follower
-        windows = sliding_window_view(arr[: size - 1], n)
-        hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()
-    return []
+def _band(match: int) -> int:
+    for i, top in enumerate(BANDS):
+        if match <= top:
+            return i
+    return len(BANDS) - 1
+
+
+class NgramIndex:
+    """Where each pair of neighbouring tokens occurred in a growing history."""
+
+    def __init__(self) -> None:
+        self._at: dict[tuple[int, int], list[int]] = {}  # pair -> indexes of its second token
+        self._n = 0  # history tokens indexed so far
+
+    def sync(self, history: list[int]) -> None:
+        """Index the tokens appended since the last call (the history only ever grows)."""
+        at = self._at
+        for i in range(max(self._n, 1), len(history)):
+            at.setdefault((history[i - 1], history[i]), []).append(i)
+        self._n = len(history)
+
+    def find(self, history: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the longest recent match of the history's tail,
+        and the match's length (0: no earlier occurrence of the last two tokens)."""
+        self.sync(history)
+        n = len(history)
+        if n < 3 or k <= 0:
+            return [], 0
+        places = self._at.get((history[-2], history[-1]))
+        if not places:
+            return [], 0
+        best_end, best_len = -1, 0
+        seen = 0
+        for end in reversed(places):
+            if end >= n - 1:  # the tail itself
+                continue
+            length = 2
+            while length < MAX_MATCH and end - length >= 0 and history[end - length] == history[n - 1 - length]:
+                length += 1
+            if length > best_len:
+                best_end, best_len = end, length
+            seen += 1
+            if seen == CANDIDATES or best_len == MAX_MATCH:
+                break
+        if best_end < 0:
+            return [], 0
+        return history[best_end + 1 : best_end + 1 + k], best_len
+
+
+def propose(history, min_n: int = 2, k: int = 8) -> list[int]:
+    """What followed the longest recent earlier match (of at least min_n >= 2 tokens)
+    of the history's tail; [] without one."""
+    draft, match = NgramIndex().find(list(history), k)
+    return draft if match >= max(2, min_n) else []
 
 
 @dataclass
 class LookupConfig:
     enabled: bool = True
-    min_n: int = 1
-    max_n: int = 3
-    max_draft: int = 8
-    # Prior cost of one more verified row, in single-token steps, until measured: on
-    # this project's 2-core CPU it measured 0.6 (SmolLM2) to 1.4 (Gemma-3, 262k vocab);
-    # on a GPU or Apple Silicon it is far less.
-    cost_per_draft: float = 0.5
-    cooldown_steps: int = 16  # steps without drafting after speculation stopped paying
+    min_match: int = 2  # never draft behind a shorter match (a pair is the index key)
+    max_draft: int = 32
+    # Cost of one more verified row, in single-token steps, for widths not measured yet:
+    # optimistic on purpose, so that long drafts get tried and measured (a wide step that
+    # costs more than this is seen at once and not repeated). Measured on this project's
+    # 2-core CPU: 17 rows cost 6.8 one-row steps on Gemma-3 (0.36 a row); on a GPU or
+    # Apple Silicon a row costs far less.
+    cost_per_draft: float = 0.25
+    min_gain: float = 1.05  # draft only when it is expected to pay at least this much
+    cooldown_steps: int = 16  # plain steps after a draft that a band no longer pays for
     measure_cost: bool = True  # False keeps cost_per_draft (deterministic draft lengths)
 
 
+class StepCost:
+    """A step's time by how many rows one sequence had verified in it, for one model.
+    Only steps with a single sequence count (a server step shared by several streams
+    says nothing clean about one of them)."""
+
+    ALPHA = 0.25
+
+    def __init__(self) -> None:
+        self._ms: dict[int, float] = {}
+
+    def observe(self, rows: int, ms: float) -> None:
+        old = self._ms.get(rows)
+        self._ms[rows] = ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * ms
+
+    def ratio(self, rows: int, prior_per_row: float) -> float:
+        """Estimated time of a `rows`-row step over a one-row step's: measured where it
+        was, interpolated between measured widths, and beyond the widest measured one
+        extended by `prior_per_row` a row (optimistic: that width gets measured)."""
+        plain = self._ms.get(1)
+        if rows <= 1:
+            return 1.0
+        if not plain:
+            return 1.0 + prior_per_row * (rows - 1)
+        if rows in self._ms:
+            return self._ms[rows] / plain
+        lower = max((r for r in self._ms if r < rows), default=1)
+        upper = min((r for r in self._ms if r > rows), default=None)
+        lo = self._ms[lower] / plain
+        if upper is not None:
+            hi = self._ms[upper] / plain
+            return lo + (hi - lo) * (rows - lower) / (upper - lower)
+        return lo + prior_per_row * (rows - lower)
+
+
 class DraftController:
-    """Picks the draft length from the acceptance rate and the measured row cost."""
+    """One generation's drafting: acceptance per match-length band, and the length that
+    pays most given the model's step cost."""
 
-    PROBE_RATE = 0.8
-
-    def __init__(self, cfg: LookupConfig) -> None:
+    def __init__(self, cfg: LookupConfig, cost: StepCost | None = None) -> None:
         self.cfg = cfg
-        self.rate = self.PROBE_RATE  # optimistic start: the first drafts measure the real rate
-        self.row_cost = cfg.cost_per_draft  # replaced by measurement as steps come in
-        self._plain_ms: float | None = None
-        self.cooldown = 0
-        self.drafted = 0
-        self.accepted = 0
-        self.steps = 0
-        self.emitted = 0
+        self.cost = cost if cost is not None else StepCost()
+        self.index = NgramIndex()
+        self._hits = [0.0] * len(BANDS)  # decayed accepted drafts, per band
+        self._trials = [0.0] * len(BANDS)  # decayed judged drafts, per band
+        self._pause = [0] * len(BANDS)  # plain steps left before a band is tried again
+        self.band = -1  # the band of the draft in flight
 
-    def draft_length(self) -> int:
-        if not self.cfg.enabled:
-            return 0
-        if self.cooldown > 0:
-            self.cooldown -= 1
-            return 0
-        best_k, best_gain = 0, 1.0
-        for k in range(1, self.cfg.max_draft + 1):
-            # expected tokens per step / relative step cost
-            expected = sum(self.rate**i for i in range(k + 1))
-            gain = expected / (1.0 + self.row_cost * k)
+    def rate(self, band: int) -> float:
+        return (self._hits[band] + PRIOR_RATE[band] * PRIOR_WEIGHT) / (self._trials[band] + PRIOR_WEIGHT)
+
+    def row_cost(self, rows: int) -> float:
+        if not self.cfg.measure_cost:
+            return 1.0 + self.cfg.cost_per_draft * (rows - 1)
+        return self.cost.ratio(rows, self.cfg.cost_per_draft)
+
+    def draft(self, history: list[int], room: int) -> list[int]:
+        """The tokens to verify after the pending one ([] for a plain step)."""
+        if not self.cfg.enabled or room <= 0:
+            return []
+        candidate, match = self.index.find(history, min(room, self.cfg.max_draft))
+        if match < self.cfg.min_match or not candidate:
+            return []
+        band = _band(match)
+        if self._pause[band] > 0:
+            self._pause[band] -= 1
+            return []
+        k = self.best_length(self.rate(band), len(candidate))
+        if k == 0:  # rest the band; its old evidence weighs half when it is tried again
+            self._pause[band] = self.cfg.cooldown_steps
+            self._hits[band] *= 0.5
+            self._trials[band] *= 0.5
+            return []
+        self.band = band
+        return candidate[:k]
+
+    def best_length(self, rate: float, available: int) -> int:
+        """The k in 0..available that maximises expected tokens per step time, where
+        k = 0 (a plain step: one token, cost 1) wins unless a draft beats it by min_gain."""
+        best_k, best_gain = 0, self.cfg.min_gain
+        expected, term = 1.0, 1.0
+        for k in range(1, available + 1):
+            term *= rate
+            expected += term  # 1 + rate + ... + rate**k: the tokens a k-draft step yields on average
+            gain = expected / self.row_cost(k + 1)
             if gain > best_gain:
                 best_k, best_gain = k, gain
-        if best_k == 0:
-            self.cooldown = self.cfg.cooldown_steps
-            self.rate = self.PROBE_RATE  # probe with a fresh estimate after the cooldown
         return best_k
 
-    def observe_step(self, drafted: int, ms: float) -> None:
-        """Time of a decode step that verified `drafted` extra rows (0: a plain step)."""
-        if not self.cfg.measure_cost:
+    def record(self, drafted: int, accepted: int) -> None:
+        """The verdict on the draft in flight. Tokens after the first rejection were never
+        judged: the trials are the accepted ones plus that one rejection."""
+        if not drafted or self.band < 0:
             return
-        if drafted == 0:
-            self._plain_ms = ms if self._plain_ms is None else 0.8 * self._plain_ms + 0.2 * ms
-        elif self._plain_ms:
-            extra = max(0.0, ms - self._plain_ms) / drafted / self._plain_ms
-            self.row_cost = 0.7 * self.row_cost + 0.3 * extra
+        b = self.band
+        self._hits[b] = DECAY * self._hits[b] + accepted
+        self._trials[b] = DECAY * self._trials[b] + accepted + (1 if accepted < drafted else 0)
+        self.band = -1
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
-        self.steps += 1
-        self.emitted += emitted
-        if drafted:
-            self.drafted += drafted
-            self.accepted += accepted
-            # Tokens after the first rejection were never judged: the trials are the
-            # accepted ones plus that one rejection.
-            trials = accepted + (1 if accepted < drafted else 0)
-            self.rate = 0.7 * self.rate + 0.3 * (accepted / trials)
+
+class BatchDrift:
+    """How far a wide step's rows may stray from one-row steps' on this model: the
+    largest change of a top-two margin seen over the first `SAMPLE_ROWS` rows that were
+    computed both ways. Until then greedy speculative steps are recomputed one row at a
+    time (`calibrating`)."""
+
+    SAMPLE_ROWS = 24
+    SAFETY = 1.5  # a small sample's maximum understates the true one
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.worst = 0.0
+
+    @classmethod
+    def known(cls, worst: float) -> "BatchDrift":
+        """A drift already known (a backend whose rows never depend on the batch: 0)."""
+        drift = cls()
+        drift.rows, drift.worst = cls.SAMPLE_ROWS, worst
+        return drift
+
+    @property
+    def calibrating(self) -> bool:
+        return self.rows < self.SAMPLE_ROWS
+
+    @property
+    def margin(self) -> float:
+        """A greedy token from a wide step must lead its runner-up by more than this."""
+        return self.SAFETY * self.worst
+
+    def observe(self, wide_margin_change: float) -> None:
+        self.rows += 1
+        self.worst = max(self.worst, wide_margin_change)

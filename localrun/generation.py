@@ -1,0 +1,195 @@
+"""One generation's state and what comes out of it: `Generation` (a sequence in a
+backend slot, its history, sampler, grammar and text stream), the `Event`s it streams,
+its `Timings`, and the `Completion` of a whole answer. The engine decides what a step
+feeds and which tokens it keeps; a generation's state changes only through its own
+methods here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .grammar import GrammarMatcher
+from .sampling import Sampler
+from .speculative import DraftController
+from .textstream import StopMatcher, Utf8Stream
+from .tools import ToolCall, ToolCallDelta
+from .tools.model import CallOutput
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV a previous request left in the slot
+    prefill_ms: float = 0.0
+    decode_tokens: int = 0  # tokens produced after the first one
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0
+    generated_tokens: int = 0
+    steps: int = 0  # backend steps that produced tokens (prompt lookup makes it < tokens)
+    drafted: int = 0  # the one count of drafted tokens (the draft controller keeps none)
+    accepted: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.generated_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        evaluated = self.prompt_tokens - self.cached_tokens
+        return evaluated / (self.prefill_ms / 1000) if self.prefill_ms > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+
+
+@dataclass
+class Event:
+    """A piece of streamed output; the last one has finish_reason and timings."""
+
+    text: str  # content: a tool call's markup never appears here
+    tokens: list[int]
+    # "stop" (EOS or stop string) | "length" | "tool_calls" (ended normally after a call)
+    finish_reason: str | None = None
+    timings: Timings | None = None
+    # with SamplingParams.n_probs > 0: per token, the n most likely (id, probability)
+    top_probs: list[list[tuple[int, float]]] | None = None
+    # with n_probs > 0: per token, the probability the model gave the token it produced
+    token_probs: list[float] | None = None
+    # with tools: the calls' pieces produced with this text (first delta of a call: id, name)
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @classmethod
+    def joined(cls, events: list["Event"]) -> "Event":
+        """Several tokens' events (one speculative step) as one."""
+        if len(events) == 1:
+            return events[0]
+        last = events[-1]
+        return cls(
+            "".join(e.text for e in events),
+            [t for e in events for t in e.tokens],
+            last.finish_reason,
+            last.timings,
+            [p for e in events for p in (e.top_probs or [])] or None,
+            [p for e in events for p in (e.token_probs or [])] or None,
+            [d for e in events for d in (e.tool_calls or [])] or None,
+        )
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    timings: Timings
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    seq: int
+    prompt: list[int]
+    sampler: Sampler
+    max_tokens: int
+    stops: StopMatcher
+    stop_ids: frozenset[int]
+    history: list[int] = field(default_factory=list)  # prompt + generated, in order
+    n_cached: int = 0  # how many of history's tokens the backend's KV holds
+    output: list[int] = field(default_factory=list)
+    lookup: DraftController | None = None
+    matcher: GrammarMatcher | None = None
+    calls: CallOutput | None = None  # with tools: splits the text into content and calls
+    finish_reason: str | None = None
+    timings: Timings = field(default_factory=Timings)
+    # the next step feeds the pending token alone: a greedy token that a wide step could
+    # not decide exactly (see speculative.BatchDrift)
+    plain_next: bool = False
+    _utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    _t_start: float = 0.0
+    _t_first: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def pending(self) -> list[int]:
+        return self.history[self.n_cached :]
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: the next step feeds one token (plus any draft)."""
+        return len(self.history) - self.n_cached == 1
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - len(self.output)
+
+    def fed(self, n: int) -> None:
+        """The backend's KV now holds n more of the history's tokens."""
+        self.n_cached += n
+
+    def rewound(self, n_cached: int) -> None:
+        """The KV was cut back to its first n_cached tokens (rejected drafts, or a row
+        to recompute alone)."""
+        self.n_cached = n_cached
+
+    def redo_alone(self, n_cached: int) -> None:
+        """Cut back to n_cached, and feed the next token without a draft: its row from a
+        wide step was too close to call exactly."""
+        self.n_cached = n_cached
+        self.plain_next = True
+
+    def may_draft(self) -> bool:
+        """Whether this step may carry a draft (once per `redo_alone`, it may not)."""
+        if self.plain_next:
+            self.plain_next = False
+            return False
+        return self.lookup is not None
+
+    def forgot(self) -> None:
+        """The KV could not be cut back (an MLX rotating window) and was cleared: the next
+        steps read the history again, and drafting, which needs the cut, stops."""
+        self.n_cached = 0
+        self.lookup = None
+
+    def prompt_read(self, now: float) -> None:
+        self.timings.prefill_ms = (now - self._t_start) * 1000
+
+    def took(self, token: int, now: float) -> bool:
+        """Count one produced token's time; the token joins the output unless it ends the
+        turn (then False)."""
+        t = self.timings
+        if not self.output:
+            self._t_first = now
+            t.ttft_ms = t.prefill_ms = (now - self._t_start) * 1000
+        else:
+            t.decode_tokens = len(self.output)
+            t.decode_ms = (now - self._t_first) * 1000
+        if token in self.stop_ids:  # the end-of-turn token itself is not output
+            return False
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        self.output.append(token)
+        self.history.append(token)
+        t.generated_tokens = len(self.output)
+        return True
+
+    def stepped(self, drafted: int, accepted: int, judged: int) -> None:
+        """A decode step that produced tokens: its draft's verdict, counted once. `judged`
+        drafts were decided (fewer than drafted when a row was left to a one-row step)."""
+        t = self.timings
+        t.steps += 1
+        t.drafted += drafted
+        t.accepted += accepted
+        if self.lookup is not None:
+            self.lookup.record(judged, accepted)
+
+    def ended(self, reason: str) -> None:
+        if reason == "stop" and self.calls is not None and self.calls.made_calls and self.stops.matched is None:
+            reason = "tool_calls"
+        self.finish_reason = reason
