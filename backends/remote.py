@@ -11,8 +11,8 @@ then drops this backend and loads the model again on its next request
 (localrun/server/models.py). `localrun serve --rpc` uses this; `run` and `chat` keep the
 model in-process, where rpc.py's abort hook already ends them with one `error:` line.
 
-Cost per decode: one pickled call and answer on a local pipe, plus the logits rows as
-raw bytes (n_vocab float32 per row) read into an array owned here; the vocabulary
+Cost per decode: one pickled call and answer on a local pipe; the logits rows are written
+by the child into memory both processes map and read here in place; the vocabulary
 (token bytes, control tokens) is copied once at load, so detokenizing, grammars and DRY
 never cross the pipe, and the KV ledger is kept on this side too (the child keeps its
 own; they see the same calls).
@@ -48,6 +48,11 @@ CALL_TIMEOUT_S = 120.0
 LOAD_TIMEOUT_S = 1800.0
 CLOSE_WAIT_S = 10.0  # for the child to free the model and exit on close(), then it is killed
 REACH_TIMEOUT_S = 1.0  # per worker, when finding which one is gone
+# Logits rows travel through memory both processes map: one row per sequence plus a
+# lookup draft's (speculative.py drafts at most 32), within SHARED_ROWS_BYTES; a decode
+# that asks for more rows sends them through the pipe instead.
+SHARED_ROWS_PER_SEQ = 33
+SHARED_ROWS_BYTES = 32 << 20
 
 
 class WorkerLostError(DecodeError):
@@ -100,6 +105,18 @@ def lost_message(cause: str, endpoints: Sequence[str], gone: Sequence[str]) -> s
             " the one that hangs (`localrun rpc-worker`); the next request loads the model again")
 
 
+def _shared_rows_shape(path, n_seq: int) -> tuple[int, int]:
+    """(rows, n_vocab) of the shared logits block, from the GGUF header's vocabulary; (0, 0)
+    when the header does not say."""
+    from localrun.model_facts import facts
+
+    n_vocab = facts(str(path)).n_vocab or 0
+    if not n_vocab:
+        return 0, 0
+    rows = max(1, min(n_seq * SHARED_ROWS_PER_SEQ, SHARED_ROWS_BYTES // (4 * n_vocab)))
+    return rows, n_vocab
+
+
 class RemoteBackend:
     """The Backend protocol over a child process running LlamaCppBackend with workers."""
 
@@ -127,12 +144,14 @@ class RemoteBackend:
         self._rows = np.empty((0, 0), np.float32)
         ctx = mp.get_context("spawn")  # a fresh interpreter: this one may run threads and llama.cpp
         self._flag = ctx.RawArray(ctypes.c_char, 2)  # the interrupt byte, read by the child's abort callback
+        shared_shape = _shared_rows_shape(path, int(options.get("n_seq", 1)))
+        shared = ctx.RawArray(ctypes.c_float, shared_shape[0] * shared_shape[1]) if shared_shape[0] else None
         self._main, main_child = ctx.Pipe()
         self._side, side_child = ctx.Pipe()
         self._proc = ctx.Process(
             target=subprocess_host.host_main, name=f"localrun-rpc-host {Path(path).name}", daemon=True,
             args=(str(path), options, [(w.endpoint.host, w.endpoint.port) for w in cluster.workers],
-                  cluster.tensor_split, main_child, side_child, self._flag))
+                  cluster.tensor_split, main_child, side_child, self._flag, shared, shared_shape))
         self._proc.start()
         main_child.close()  # only the child holds its ends now: its exit closes the pipes
         side_child.close()
@@ -144,6 +163,9 @@ class RemoteBackend:
             self._stop_child()
             raise value
         self._adopt(value)
+        # the child says whether the rows fit its vocabulary (the header's count may differ)
+        self._shared = (np.frombuffer(shared, np.float32).reshape(shared_shape) if value["shared_rows"]
+                        else np.empty((0, self.n_vocab), np.float32))
         _log.info("%s over RPC workers: %s", Path(path).name, self.placement.describe())
 
     def _adopt(self, facts: dict) -> None:
@@ -242,7 +264,14 @@ class RemoteBackend:
         wire = [(e.seq, [int(t) for t in e.tokens], e.pos, e.n_logits) for e in batch]
         n_out = sum(e.n_logits for e in batch)
         with self._main_lock:
-            self._call_locked(self._main, "decode", wire)  # raises DecodeInterrupted, DecodeError as in-process
+            # raises DecodeInterrupted, DecodeError as in-process
+            if self._call_locked(self._main, "decode", wire) == "shared":  # the rows are in the shared block
+                out, r = [], 0
+                for e in batch:
+                    out.append(self._shared[r : r + e.n_logits])
+                    r += e.n_logits
+                self._ledger.fed(batch)
+                return out
             if len(self._rows) < n_out or self._rows.shape[1] != self.n_vocab:
                 self._rows = np.empty((max(n_out, 2 * len(self._rows), self.n_seq), self.n_vocab), np.float32)
             out, r = [], 0

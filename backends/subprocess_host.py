@@ -12,12 +12,12 @@ Two pipes, each served by one thread:
   decode may be running, as they would in-process (llama.cpp's vocabulary is read-only).
 
 Replies are pickled `("ok", value)` / `("raise", exception)`. A decode's logits rows do
-not go through pickle: after `("ok", None)` each entry with rows follows as one raw
-message of float32 bytes, written straight from llama.cpp's output buffer and read by the
-parent into its own preallocated array (no shared-memory segment a killed child would
-leave behind). The interrupt flag is the parent's shared byte, read by llama.cpp's abort
-callback in here (`HostedLlamaCpp`), so `interrupt()` stops a decode mid-pass as it does
-in-process.
+not go through pickle: they are copied into a block of memory the parent allocated and
+both map (a multiprocessing RawArray: unlinked at once, so a killed child leaves nothing
+behind), and the answer is `("ok", "shared")`; the parent returns views of it. Rows that
+do not fit the block follow the answer `("ok", None)` as raw pipe messages, one per entry.
+The interrupt flag is the parent's shared byte, read by llama.cpp's abort callback in here
+(`HostedLlamaCpp`), so `interrupt()` stops a decode mid-pass as it does in-process.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import os
 import signal
 import threading
 import time
+
+import numpy as np
 
 from localrun.errors import DecodeError
 
@@ -75,8 +77,9 @@ def _send_raise(conn, exc: BaseException) -> None:
         conn.send(("raise", DecodeError(f"{type(exc).__name__}: {exc}")))
 
 
-def _serve(conn, backend: LlamaCppBackend, allowed: frozenset) -> None:
-    """Answer calls until the parent says close or hangs up (EOF: it exited or gave up on us)."""
+def _serve(conn, backend: LlamaCppBackend, allowed: frozenset, shared: np.ndarray | None = None) -> None:
+    """Answer calls until the parent says close or hangs up (EOF: it exited or gave up on us).
+    `shared`: the [rows, n_vocab] block the parent reads a decode's logits from when they fit."""
     while True:
         try:
             op, args = conn.recv()
@@ -94,6 +97,13 @@ def _serve(conn, backend: LlamaCppBackend, allowed: frozenset) -> None:
             _send_raise(conn, exc)
             continue
         if op == "decode":
+            if shared is not None and sum(len(r) for r in rows) <= len(shared):
+                at = 0
+                for r in rows:  # in the batch's order, as the parent slices them
+                    shared[at : at + len(r)] = r
+                    at += len(r)
+                conn.send(("ok", "shared"))
+                continue
             conn.send(("ok", None))
             for r in rows:
                 if len(r):
@@ -116,9 +126,11 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
-def host_main(path: str, options: dict, endpoints: list[tuple[str, int]], tensor_split, main, side, flag) -> None:
+def host_main(path: str, options: dict, endpoints: list[tuple[str, int]], tensor_split, main, side, flag,
+              shared_rows=None, shared_shape: tuple[int, int] = (0, 0)) -> None:
     """The child's entry point (multiprocessing, spawn): register the workers in this
-    process, load, report ("ready", facts) or ("raise", error), then serve both pipes."""
+    process, load, report ("ready", facts) or ("raise", error), then serve both pipes.
+    shared_rows: a RawArray of shared_shape float32 for the logits (None: the pipe only)."""
     # Ctrl+C in a terminal reaches the whole process group: the parent decides when this
     # child stops (close, or a kill after its own shutdown), never the keyboard
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -130,6 +142,9 @@ def host_main(path: str, options: dict, endpoints: list[tuple[str, int]], tensor
         rpc.connect([rpc.Endpoint(h, p) for h, p in endpoints], tensor_split)  # probes first: one-line errors
         backend = HostedLlamaCpp(path, flag, **options)
         ready = facts(backend)
+        fits = shared_rows is not None and shared_shape[1] == backend.n_vocab
+        shared = np.frombuffer(shared_rows, np.float32).reshape(shared_shape) if fits else None
+        ready["shared_rows"] = fits
     except Exception as exc:  # RpcError, ModelLoadError, ...: the parent raises it
         _send_raise(main, exc)
         return
@@ -137,6 +152,6 @@ def host_main(path: str, options: dict, endpoints: list[tuple[str, int]], tensor
     threading.Thread(target=_serve, args=(side, backend, SIDE_CALLS), name="localrun-rpc-host side",
                      daemon=True).start()
     try:
-        _serve(main, backend, MAIN_CALLS)
+        _serve(main, backend, MAIN_CALLS, shared)
     finally:
         backend.close()

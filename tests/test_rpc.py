@@ -439,17 +439,22 @@ def _exercise(backend) -> dict:
 
 
 @needs_rpc
-def test_the_model_in_a_child_process_answers_as_in_process(workers, smollm2_gguf):
+@pytest.mark.parametrize("shared_rows", [66, 2])
+def test_the_model_in_a_child_process_answers_as_in_process(workers, smollm2_gguf, shared_rows, monkeypatch):
     """RemoteBackend against LlamaCppBackend over the same two workers: the same tokens,
     vocabulary, bit-identical logits rows of a two-sequence batch, the same KV ledger; it
     keeps the whole Backend contract; interrupt() stops its decode across the process
-    boundary; close() ends the child."""
+    boundary; close() ends the child. With a shared block of 2 rows, the 4 rows of the
+    prompt's decode come through the pipe and the later 2 through the block."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_backend_contract import contract_gaps
 
+    from localrun.backends import remote
     from localrun.backends.base import Backend, BatchEntry, DecodeInterrupted
     from localrun.backends.llamacpp import LlamaCppBackend
     from localrun.backends.remote import RemoteBackend
+
+    monkeypatch.setattr(remote, "SHARED_ROWS_BYTES", shared_rows * 4 * 49152)  # SmolLM2's vocabulary
 
     cluster = rpc.connect([rpc.Endpoint("127.0.0.1", w.port) for w in workers], (1.0, 1.0, 1.0), activate=False)
     options = dict(n_ctx=256, n_seq=2, n_batch=64, threads=1, workers=cluster)
@@ -460,6 +465,7 @@ def test_the_model_in_a_child_process_answers_as_in_process(workers, smollm2_ggu
         local.close()
     hosted = RemoteBackend(str(smollm2_gguf), **options)
     try:
+        assert hosted._shared.shape == (shared_rows, 49152)
         assert contract_gaps(hosted) == [] and isinstance(hosted, Backend)
         assert hosted.info == local.info and hosted.placement.describe() == local.placement.describe()
         got = _exercise(hosted)
