@@ -1,13 +1,15 @@
 """The engine: prompts in, streamed text out, the same for every backend.
 
-One `Generation` is one sequence: its slot in the backend, its token history, its
-sampler, its text stream. `Engine.step(gens)` advances several generations with ONE
-backend decode: generations that are decoding contribute their one new token (first,
-so a long prefill never starves them), generations still reading their prompt
-contribute a chunk of it, within the backend's `n_batch`. `generate()` is the
+A `Generation` (localrun/generation.py) is one sequence: its slot in the backend, its
+token history, its sampler, its text stream. `Engine.step(gens)` advances several
+generations with ONE backend decode, in two moves: `_plan` says what each generation
+feeds (decoding ones first, so a long prefill never starves them: their pending token,
+plus a prompt-lookup draft when one is expected to pay; generations still reading
+their prompt, a chunk of it, within the backend's `n_batch`), then each generation's
+rows are read by a prefill, a plain step (one row, one token) or a speculative step
+(a row per draft token, kept while each is the token sampled). `generate()` is the
 single-sequence loop over `step`; a server schedules many generations over the same
-call. A step may also carry draft tokens for verification (the backend returns every
-row asked for), which is how speculation plugs in without a second engine.
+call.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ class Engine:
             stop_ids=frozenset() if request.ignore_eos else self.info.stop_ids,
             history=list(tokens),
             n_cached=n_keep,
+            timings=Timings(prompt_tokens=len(tokens), cached_tokens=n_keep),
         )
         if request.lookup.enabled:
             gen.lookup = DraftController(request.lookup, self.step_cost)
@@ -176,9 +179,7 @@ class Engine:
             gen.calls = self.tools.output(request.tool_choice)
         elif request.grammar is not None:
             gen.matcher = GrammarMatcher(request.grammar, build_tokenizer(self.backend))
-        gen.timings.prompt_tokens = len(tokens)
-        gen.timings.cached_tokens = n_keep
-        gen._t_start = time.perf_counter()
+        gen.started(time.perf_counter())
         return gen
 
     @property
@@ -234,7 +235,7 @@ class Engine:
         self.backend.kv_copy(src, dst, g.n_cached)
         self._free.remove(dst)
         self._free.append(src)  # its KV stays there for a later prompt that shares it
-        g.seq = dst
+        g.moved_to(dst)
 
     def release(self, gen: Generation) -> None:
         """Give the generation's slot back; its KV stays for the next prompt that shares
@@ -242,7 +243,7 @@ class Engine:
         if gen.seq not in self._free:
             self._free.append(gen.seq)
         if not gen.done:
-            gen.finish_reason = "cancelled"
+            gen.ended("cancelled")
 
     def step(self, gens: Sequence[Generation], budget: int | None = None) -> dict[int, Event]:
         """One backend decode across every unfinished generation; events keyed by seq.

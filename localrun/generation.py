@@ -129,6 +129,14 @@ class Generation:
     def tokens_left(self) -> int:
         return self.max_tokens - len(self.output)
 
+    def started(self, now: float) -> None:
+        """Its prompt was handed to the engine: time to first token counts from here."""
+        self._t_start = now
+
+    def moved_to(self, seq: int) -> None:
+        """Its KV was copied to another slot (to keep busy slots together)."""
+        self.seq = seq
+
     def fed(self, n: int) -> None:
         """The backend's KV now holds n more of the history's tokens."""
         self.n_cached += n

@@ -51,7 +51,9 @@ def history_script(hist: list[int]) -> int:
 def run_together(engine: Engine, prompts: list[list[int]], limits: list[int]) -> tuple[list, list[list[int]]]:
     """Step generations together, releasing each as it finishes (as the server does);
     returns their outputs and the slots of every decode call."""
-    gens = [engine.start(p, sampling=GREEDY, max_tokens=n, ignore_eos=True) for p, n in zip(prompts, limits)]
+    # one token a step (no lookup), so that generations of equal length end together
+    gens = [engine.start(p, sampling=GREEDY, max_tokens=n, ignore_eos=True, lookup=False)
+            for p, n in zip(prompts, limits)]
     first = len(engine.backend.calls)
     step_all(engine, gens)
     return [g.output for g in gens], [[e.seq for e in call] for call in engine.backend.calls[first:]]
