@@ -23,7 +23,8 @@ answers are the same text and the token counts are equal, and says so.
                                      [--threads N] [--driver tmux|pilot] [--busy]
 
 --busy keeps one core spinning in another process during every run. Prints per-round
-tok/s, the medians, `app / cli = X.XX` (of the medians) and the load average seen.
+tok/s, the medians, `app / cli = X.XX` (of the medians, and the median of each round's
+own ratio, which a load that changes between rounds disturbs less) and the load average.
 """
 
 from __future__ import annotations
@@ -261,10 +262,13 @@ def main() -> int:
     print(f"cli median {cli_tps:.1f} tok/s │ app median {app_tps:.1f} tok/s")
     print(f"tokens: {'equal' if same_count else 'DIFFER'} ({sorted({r.generated for r in runs})}); "
           f"text: {'identical' if same_text else 'DIFFERS'} on every run")
-    print(f"app / cli = {app_tps / cli_tps:.2f}")
+    # each round's own ratio: load that changes between rounds cancels within a round
+    paired = statistics.median(a.tok_s / c.tok_s for a, c in zip(app, cli))
+    print(f"app / cli = {app_tps / cli_tps:.2f} (of the medians; median of the rounds' own ratios {paired:.2f})")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model.name, "driver": args.driver, "threads": args.threads,
                                          "busy": args.busy, "loadavg": loads, "app_over_cli": app_tps / cli_tps,
+                                         "app_over_cli_paired": paired,
                                          "runs": [asdict(r) for r in runs]}, indent=1))
     return 0 if same_count else 1
 
