@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import socket
 import threading
-import time
 from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Sequence
@@ -36,7 +35,7 @@ import numpy as np
 from localrun import rpc
 from localrun.errors import DecodeError, ModelLoadError
 
-from .base import BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
+from .base import BatchEntry, KvLedger, ModelInfo, check_batch
 
 _log = logging.getLogger("localrun")
 
