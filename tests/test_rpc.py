@@ -586,9 +586,16 @@ def test_serve_gives_up_on_a_worker_that_hangs(tmp_path, smollm2_gguf):
                     "--rpc", f"{stuck.endpoint},{other.endpoint}", "--tensor-split", "1,1,1",
                     env={"LOCALRUN_RPC_CALL_TIMEOUT_S": "4"})
     try:
+        health_while_stuck = []
+
+        def stop_worker():
+            stuck.proc.send_signal(signal.SIGSTOP)
+            time.sleep(0.5)  # the decode in flight now waits on the stopped worker
+            health_while_stuck.append(httpx.get(server.url + "/health", timeout=2).status_code)
+
         t0 = time.monotonic()
-        text, errors = _stream_until_error(server.url, lambda: stuck.proc.send_signal(signal.SIGSTOP))
-        assert time.monotonic() - t0 < 60
+        text, errors = _stream_until_error(server.url, stop_worker)
+        assert time.monotonic() - t0 < 60 and health_while_stuck == [200]
         assert text and len(errors) == 1, errors
         assert "gave no answer within 4 s" in errors[0]["message"], errors
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
