@@ -529,7 +529,8 @@ def _chat(url: str, timeout: float = 120):
 @needs_rpc
 def test_serve_survives_a_worker_killed_mid_answer(tmp_path, smollm2_gguf):
     """SIGKILL one worker while a client streams: that stream ends with an error event that
-    names the worker, the server keeps answering, a request while the worker is down gets
+    names the worker, as does a request queued behind it (503), the server keeps answering,
+    a request while the worker is down gets
     a one-line 503, and once the worker is back on its port the next request reloads the
     model and answers as a local run does."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -540,13 +541,21 @@ def test_serve_survives_a_worker_killed_mid_answer(tmp_path, smollm2_gguf):
     server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1",
                     "--rpc", f"{doomed.endpoint},{other.endpoint}", "--tensor-split", "1,1,1")
     try:
+        queued = []  # a second request, waiting for the one slot when the worker dies
+        waiting = threading.Thread(target=lambda: queued.append(_chat(server.url)))
+
         def kill_worker():
+            waiting.start()
+            time.sleep(1.0)
             doomed.proc.kill()
             doomed.proc.wait()
 
         text, errors = _stream_until_error(server.url, kill_worker)
         assert text, "the stream never started"
         assert len(errors) == 1, errors
+        waiting.join(60)
+        assert queued and queued[0].status_code == 503, queued
+        assert f"lost the RPC worker at {doomed.endpoint}" in queued[0].text
         assert f"lost the RPC worker at {doomed.endpoint}" in errors[0]["message"], errors
         assert f"restart `localrun rpc-worker` on {doomed.endpoint}" in errors[0]["message"]
         assert server.proc.poll() is None, server.output()
