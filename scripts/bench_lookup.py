@@ -1,154 +1,164 @@
 #!/usr/bin/env python3
-"""Prompt-lookup speculative decoding: localrun with and without lookup, against
-llama-cpp-python's `Llama` with and without `LlamaPromptLookupDecoding`. Greedy.
+"""Prompt-lookup speculative decoding, greedy: localrun with and without lookup, against
+native llama-server's own n-gram speculation and llama-cpp-python's
+`LlamaPromptLookupDecoding`, in the same run on the same prompt tokens.
 
-    python scripts/bench_lookup.py --quick          # smollm2 only, 1 repeat, 64 tokens
-    python scripts/bench_lookup.py                  # both test models, 3 repeats, 160 tokens
+    python scripts/bench_lookup.py --quick            # smollm2 only, 1 repeat, 64 tokens
+    python scripts/bench_lookup.py                    # all three test models, 3 repeats, 160 tokens
+    python scripts/bench_lookup.py --identity-only    # only: same text with lookup on and off?
+    python scripts/bench_lookup.py --models gemma qwen --engines lr_lookup lr_plain ls_simple ls_plain
 
-Input-grounded tasks (rename a variable, fix typos, quote sentences) make the output
-copy the prompt, which is where lookup pays; open-ended chat is the control, where it
-must not cost much. Instruct models get their chat template; a base model (no template)
-gets a raw prompt that it continues by copying. Each model runs in a fresh process
-holding all four engines (the same libllama underneath); they alternate run by run in
-a rotating order, so that load from other processes drifts onto all of them alike.
-decode tok/s for every engine = tokens after the first (an end-of-turn token included)
-/ time from the first token to the last, as localrun's Timings count it.
+Engines (all greedy: temperature 0, top_k 1, the same threads, flash attention, n_ctx):
+  lr_lookup / lr_plain      localrun's Engine with lookup on / off
+  ls_simple / ls_mod / ls_plain
+                            llama-server (scripts/build_llama_bench.sh builds it from the
+                            llama.cpp that llama-cpp-python vendors) with `--spec-type
+                            ngram-simple`, `--spec-type ngram-mod` (their default draft
+                            settings) and without speculation, driven through /completion
+                            with the prompt as token ids and cache_prompt off
+  lcpp_lookup / lcpp_plain  llama-cpp-python's `Llama` with and without LlamaPromptLookupDecoding
+
+Tasks (scripts/lookup_tasks.py): grounded ones whose answer copies the prompt (two code
+edits, typo fixes, quoting), where lookup pays, and open-ended chat, the control where it
+must not cost. Instruct models get their chat template, a base model a raw prompt.
+
+Each model runs in a fresh process holding every engine (llama-server as child
+processes); engines alternate run by run in a rotating order, so that load from other
+processes drifts onto all of them alike. decode tok/s = tokens after the first (an
+end-of-turn token included) / time from the first token to the last: localrun's Timings,
+llama-server's timings.predicted_per_second and our clock around llama-cpp-python all count
+it so. Every run starts from an empty KV cache. llama-server's ngram-mod keeps one n-gram
+hash for the life of the process, so a repeated prompt would draft from the previous
+answer; its server is restarted before every timed run to measure a first request, as
+localrun's lookup (which remembers nothing between requests) is measured.
+
+Identity: over the tasks plus a few short prompts (12 in all), whether lookup on gives the
+same tokens as lookup off, for localrun and for llama-server (as a reference), and where
+localrun's first differ, the no-lookup top-2 logit gap there.
 """
 
 from __future__ import annotations
 
-import argparse, json, math, os, statistics, subprocess, sys, time
+import argparse, json, math, os, socket, statistics, subprocess, sys, tempfile, time, urllib.error, urllib.request
+from importlib import metadata
 from pathlib import Path
+
+from lookup_tasks import TASKS, prompt_texts
 
 MARK = "BENCH_LOOKUP "
 MODELS_DIR = Path(os.environ.get("LOCALRUN_TEST_MODELS", "~/.cache/localrun/test-models")).expanduser()
-MODELS = ["smollm2-135m-instruct-q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"]
+MODELS = {"smollm2": "smollm2-135m-instruct-q4_1.gguf", "gemma": "gemma-3-270m-q4_k_m.gguf",
+          "qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
+ENGINES = ["lr_lookup", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
+SERVER_SPEC = {"ls_plain": [], "ls_simple": ["--spec-type", "ngram-simple"], "ls_mod": ["--spec-type", "ngram-mod"]}
+# (label, lookup-on engine, lookup-off engine) whose texts the identity check compares
+IDENTITY_PAIRS = [("localrun", "lr_lookup", "lr_plain"), ("ngram-simple", "ls_simple", "ls_plain"),
+                  ("ngram-mod", "ls_mod", "ls_plain"), ("lr-off=server-none", "lr_plain", "ls_plain")]
+SERVER_START_S = 300  # a loaded 2-core machine can take minutes to map and warm a model
 
-CODE = '''def summarize_requests(lines, window_s=60, slow_ms=500):
-    """Aggregate access-log lines into per-endpoint statistics."""
-    stats = {}
-    errors = []
-    first_ts = None
-    last_ts = None
-    for raw in lines:
-        raw = raw.strip()
-        if not raw or raw.startswith("#"):
-            continue
-        parts = raw.split(" ")
-        if len(parts) < 5:
-            errors.append(("short", raw))
-            continue
-        entry = {
-            "ts": float(parts[0]),
-            "method": parts[1],
-            "path": parts[2].split("?")[0],
-            "status": int(parts[3]),
-            "ms": float(parts[4]),
-        }
-        if first_ts is None:
-            first_ts = entry["ts"]
-        last_ts = entry["ts"]
-        if entry["ts"] - first_ts > window_s:
-            break
-        key = (entry["method"], entry["path"])
-        bucket = stats.setdefault(key, {
-            "count": 0, "errors": 0, "slow": 0, "total_ms": 0.0, "max_ms": 0.0, "samples": [],
-        })
-        bucket["count"] += 1
-        bucket["total_ms"] += entry["ms"]
-        bucket["samples"].append(entry["ms"])
-        if entry["ms"] > bucket["max_ms"]:
-            bucket["max_ms"] = entry["ms"]
-        if entry["status"] >= 500:
-            bucket["errors"] += 1
-            errors.append(("server", entry))
-        elif entry["status"] >= 400:
-            errors.append(("client", entry))
-        if entry["ms"] >= slow_ms:
-            bucket["slow"] += 1
-    report = []
-    for (method, path), bucket in sorted(stats.items()):
-        samples = sorted(bucket["samples"])
-        p95 = samples[min(len(samples) - 1, int(len(samples) * 0.95))]
-        report.append({
-            "endpoint": f"{method} {path}",
-            "count": bucket["count"],
-            "mean_ms": bucket["total_ms"] / bucket["count"],
-            "p95_ms": p95,
-            "max_ms": bucket["max_ms"],
-            "error_rate": bucket["errors"] / bucket["count"],
-            "slow": bucket["slow"],
-        })
-    span = (last_ts - first_ts) if first_ts is not None else 0.0
-    return {"span_s": span, "endpoints": report, "errors": errors}'''
 
-# ~125 words, 8 typos: thier, wich, arive, colege, vistors, beautful, beleive, untill.
-TYPOS = (
-    "The old harbour town wakes up slowly in the winter. Fishermen check thier nets before dawn, while the bakery on "
-    "the corner starts its ovens and the smell of fresh bread, wich drifts down to the water, fills the empty "
-    "streets. By eight o'clock the first buses arive from the valley, bringing students to the colege on the hill. "
-    "Most vistors come in summer, when the beaches are crowded and every cafe has a queue, but the locals prefer the "
-    "quiet months. They say the light is softer, the sea is more beautful, and the walks along the cliffs are empty "
-    "enough to hear the birds. In the evening the lighthouse keeper turns on the lamp, and the whole town seems to "
-    "beleive it is safe untill morning.")
+def llama_server_path(explicit: str | None) -> Path:
+    if explicit:
+        return Path(explicit)
+    ver = metadata.version("llama-cpp-python")
+    tools = Path(os.environ.get("LOCALRUN_TOOLS", Path.home() / ".cache/localrun/tools"))
+    return tools / f"llama.cpp-{ver}" / "build" / "bin" / "llama-server"
 
-# ~190 words; exactly two sentences mention copper.
-SOURCE = (
-    "The village of Arlen sits at the end of a narrow valley, three hours by road from the nearest city. For most of "
-    "its history it lived from sheep and from the small orchards that climb the southern slope. In 1871 a surveyor "
-    "found copper in the rocks above the church, and within ten years the population had doubled. The mine brought a "
-    "railway, a school and a doctor, but it also brought smoke that killed the pear trees along the river. Families "
-    "who had farmed the same fields for generations sold their land to the company and moved into rows of brick "
-    "houses near the shafts. When the price of copper collapsed after the war, the company closed the mine in a "
-    "single week. The railway stopped running soon after, and the young people left for the coast. Today Arlen has "
-    "fewer than four hundred residents. The brick houses have been repainted in bright colours and rented to hikers, "
-    "the orchards have been replanted, and an old engine house has become a small museum where visitors can see the "
-    "tools, the maps and the letters of the miners who once lived there.")
 
-# name -> (group, chat message for instruct models, raw prompt for base models)
-TASKS = {
-    "rename": ("grounded",
-               f"Rename the variable `entry` to `record` in this Python function. Reply with the whole "
-               f"rewritten function and nothing else.\n\n```python\n{CODE}\n```",
-               f"Original:\n```python\n{CODE}\n```\n\nSame code with the variable `entry` renamed to "
-               f"`record`:\n```python\n"),
-    "typos": ("grounded",
-              f"Fix the spelling mistakes in this paragraph. Reply with the corrected paragraph only.\n\n{TYPOS}",
-              f"Text with typos:\n{TYPOS}\n\nSame text with the typos fixed:\n"),
-    "quote": ("grounded",
-              f"{SOURCE}\n\nQuote, word for word, the two sentences of this text that mention copper.",
-              f"Text:\n{SOURCE}\n\nThe two sentences of the text that mention copper, quoted verbatim:\n1. \""),
-    "poem": ("chat", "Write a short poem about the sea.", "Q: Write a short poem about the sea.\nA:"),
-    "bicycle": ("chat", "Explain how a bicycle works.", "Q: Explain how a bicycle works.\nA:"),
-    "trip": ("chat", "Give me three ideas for a weekend trip.", "Q: Give me three ideas for a weekend trip.\nA:"),
-}
+class LlamaServer:
+    """One native llama-server process on a free localhost port, restartable."""
+
+    def __init__(self, binary: str, model: str, threads: int, n_ctx: int, spec: list[str], log: Path):
+        self.cmd = [binary, "-m", model, "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
+                    "-c", str(n_ctx), "-np", "1", "-fa", "on", "--cache-ram", "0", "--no-webui", *spec]
+        self.log, self.proc, self.url = log, None, ""
+
+    def start(self) -> None:
+        with socket.socket() as s:  # a free port; the tiny race with another process is acceptable here
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # still loading (503) or not listening yet
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError(f"llama-server did not become healthy in {SERVER_START_S}s; see {self.log}")
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+    def complete(self, prompt: list[int], n_max: int) -> dict:
+        body = {"prompt": prompt, "n_predict": n_max, "temperature": 0.0, "top_k": 1, "seed": 0,
+                "cache_prompt": False, "return_tokens": True, "stream": False}
+        req = urllib.request.Request(self.url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            return json.load(r)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def _strip_stop(tokens, stops) -> list[int]:
+    """Engines differ in whether the end-of-turn token is part of the answer; it never is here."""
+    toks = [int(t) for t in tokens]
+    return toks[:-1] if toks and toks[-1] in stops else toks
 
 
 # -- worker: one fresh process per model -----------------------------------------------
 
-def work(job):
-    import numpy as np
-    from llama_cpp import Llama, __version__ as lcpp_version
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    from localrun.backends.base import BatchEntry
-    from localrun.engine import Engine
+def make_engines(job, eng, stops, servers, log_dir):
+    """engine name -> run(prompt, n_max, timed) -> {"tokens", "decode_tps", ...}."""
     from localrun.sampling import SamplingParams
-
-    eng = Engine.open(job["model"], n_ctx=job["n_ctx"], threads=job["threads"])
-    chat = eng.info.chat_template is not None  # a base model has none: raw prompts
-    prompts = {n: eng.chat_prompt([{"role": "user", "content": TASKS[n][1]}]) if chat
-               else eng.tokenize(TASKS[n][2]) for n in job["tasks"]}
-    stops, greedy = eng.info.stop_ids, SamplingParams(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0)
 
     def localrun(lookup):
-        def run(prompt, n_max):
+        def run(prompt, n_max, timed=True):
+            eng.backend.kv_clear(0)  # no prefix reuse: every engine prefills in full, from the same state
             res = eng.complete(prompt, sampling=greedy, max_tokens=n_max, lookup=lookup)
             t = res.timings
-            return {"tokens": res.tokens, "finish": res.finish_reason, "decode_tps": t.decode_tps,
+            return {"tokens": _strip_stop(res.tokens, stops), "finish": res.finish_reason, "decode_tps": t.decode_tps,
                     "generated": t.generated_tokens, "steps": t.steps, "drafted": t.drafted, "accepted": t.accepted}
         return run
 
-    def llama_cpp(draft):
+    def llama_server(name):
+        srv = LlamaServer(job["server"], job["model"], job["threads"], job["n_ctx"], SERVER_SPEC[name],
+                          log_dir / f"{name}.log")
+        servers.append(srv)
+        srv.start()
+
+        def run(prompt, n_max, timed=True):
+            if timed and name == "ls_mod":
+                srv.restart()  # an empty n-gram hash: no drafting from the previous run's answer
+            r = srv.complete(prompt, n_max)
+            t = r.get("timings", {})
+            return {"tokens": _strip_stop(r.get("tokens", []), stops), "finish": r.get("stop_type"),
+                    "decode_tps": t.get("predicted_per_second") or None, "generated": t.get("predicted_n"),
+                    "drafted": t.get("draft_n", 0), "accepted": t.get("draft_n_accepted", 0)}
+        return run
+
+    def llama_cpp(lookup):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None
         # logits_all must be passed with a draft model: Llama sizes its score buffer by the
         # argument (n_batch rows otherwise) while a draft model makes it store every row, so a
         # prompt longer than n_batch overflows it ("could not broadcast ... into shape (0,)").
@@ -156,7 +166,7 @@ def work(job):
         llm = Llama(job["model"], n_ctx=job["n_ctx"], n_threads=job["threads"], n_threads_batch=job["threads"],
                     flash_attn=True, draft_model=draft, logits_all=draft is not None, verbose=False)
 
-        def run(prompt, n_max):
+        def run(prompt, n_max, timed=True):
             llm.reset()  # no prefix reuse from the previous run: every run prefills in full
             toks, times = [], []
             gen = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
@@ -172,22 +182,81 @@ def work(job):
             return {"tokens": toks, "decode_tps": (len(times) - 1) / dt if dt > 0 else None}
         return run
 
-    engines = {"lr_lookup": localrun(True), "lr_plain": localrun(False),
-               "lcpp_lookup": llama_cpp(LlamaPromptLookupDecoding(num_pred_tokens=10)), "lcpp_plain": llama_cpp(None)}
+    makers = {"lr_lookup": lambda: localrun(True), "lr_plain": lambda: localrun(False),
+              "ls_simple": lambda: llama_server("ls_simple"), "ls_mod": lambda: llama_server("ls_mod"),
+              "ls_plain": lambda: llama_server("ls_plain"),
+              "lcpp_lookup": lambda: llama_cpp(True), "lcpp_plain": lambda: llama_cpp(False)}
+    return {e: makers[e]() for e in job["engines"]}
+
+
+def _first_diff(a, b):
+    """Index of the first differing token, or None when the two are identical."""
+    if a == b:
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def work(job):
+    from localrun.engine import Engine
+
+    eng = Engine.open(job["model"], n_ctx=job["n_ctx"], threads=job["threads"])
+    chat = eng.info.chat_template is not None  # a base model has none: raw prompts
+    texts = prompt_texts(chat)
+    prompts = {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
+               for n, t in texts.items()}
+    stops = set(eng.info.stop_ids)
+    servers: list[LlamaServer] = []
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_lookup_"))
+    try:
+        engines = make_engines(job, eng, stops, servers, log_dir)
+        tasks = [] if job["identity_only"] else job["tasks"]
+        runs = timed_runs(job, engines, prompts, tasks)
+        identity, diffs = identity_runs(job, eng, engines, prompts, runs, stops)
+    finally:
+        for srv in servers:
+            srv.close()
+    text = {n: eng.detokenize(identity[n]["lr_lookup"]) for n in identity if "lr_lookup" in identity[n]}
+    eng.close()
+    stable = {n: all(x["tokens"] == rs[0]["tokens"] for rs in runs[n].values() for x in rs) for n in runs}
+    return {"chat_template": chat, "prompt_tokens": {n: len(p) for n, p in prompts.items()}, "runs": runs,
+            "identity": identity, "diffs": diffs, "stable_across_repeats": stable, "text_lookup": text,
+            "server_logs": str(log_dir)}
+
+
+def timed_runs(job, engines, prompts, tasks):
+    if not tasks:
+        return {}
     for run in engines.values():  # warm-up: page weights in, size compute buffers for k+1 rows
-        run(prompts[job["tasks"][0]], 16)
-    # All four alternate run by run, and the order rotates each repeat, so that load from
+        run(prompts[tasks[0]], 16, timed=False)
+    # All engines alternate run by run, and the order rotates each repeat, so that load from
     # other processes drifts onto every engine alike rather than onto whichever ran last.
-    runs = {n: {e: [] for e in engines} for n in job["tasks"]}
+    runs = {n: {e: [] for e in engines} for n in tasks}
     order = list(engines)
     for r in range(job["repeat"]):
-        for n in job["tasks"]:
-            for e in order[r % 4:] + order[:r % 4]:
+        for n in tasks:
+            k = r % len(order)
+            for e in order[k:] + order[:k]:
                 runs[n][e].append(engines[e](prompts[n], job["max_tokens"]))
             print(f"  repeat {r + 1} {n:<8}" + "".join(f" {e} {_f(runs[n][e][-1]['decode_tps'], '.1f')}"
                                                       for e in order), file=sys.stderr, flush=True)
+    return runs
 
-    def gap_at(prompt, out, lk, i):
+
+def identity_runs(job, eng, engines, prompts, runs, stops):
+    """Tokens of every identity engine on every prompt (a timed run's first repeat where
+    there is one, else one untimed run), and for localrun's differences the replayed
+    no-lookup logits at the first differing token."""
+    import numpy as np
+    from localrun.backends.base import BatchEntry
+
+    which = [e for e in ("lr_lookup", "lr_plain", "ls_plain", "ls_simple", "ls_mod") if e in engines]
+    out = {}
+    for n, prompt in prompts.items():
+        out[n] = {e: runs[n][e][0]["tokens"] if n in runs else engines[e](prompt, job["max_tokens"], timed=False)["tokens"]
+                  for e in which}
+        print(f"  identity {n:<9}" + "".join(f" {e} {len(t)}" for e, t in out[n].items()), file=sys.stderr, flush=True)
+
+    def gap_at(prompt, plain, lk, i):
         """Replay the no-lookup run exactly (prefill in n_batch chunks, then one token per
         decode, as Engine.step does) to read the logits row that chose token i."""
         be, pos = eng.backend, 0
@@ -196,35 +265,31 @@ def work(job):
             chunk = prompt[pos:pos + be.n_batch]
             rows = be.decode([BatchEntry(0, chunk, pos, int(pos + len(chunk) == len(prompt)))])
             pos += len(chunk)
-        for t in out[:i]:
+        for t in plain[:i]:
             rows = be.decode([BatchEntry(0, [t], pos, 1)])
             pos += 1
         row = np.array(rows[0][-1])
         be.kv_clear(0)
         a, b = (int(x) for x in np.argsort(row)[-2:][::-1])
-        want = out[i] if i < len(out) else None  # None: the no-lookup run stopped here
+        want = plain[i] if i < len(plain) else None  # None: the no-lookup run stopped here
         got = lk[i] if i < len(lk) else None
         return {"top1": a, "top2": b, "top2_gap": float(row[a] - row[b]),
                 "replay_matches": a == want or (want is None and a in stops),
                 "lookup_token": got, "lookup_token_is_top2": got == b}
 
-    diffs, stable = {}, {}
-    for n in job["tasks"]:
-        a, b = runs[n]["lr_plain"][0]["tokens"], runs[n]["lr_lookup"][0]["tokens"]
-        i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        if a != b:
-            diffs[n] = {"index": i, **gap_at(prompts[n], a, b, i)}
-        stable[n] = all(x["tokens"] == rs[0]["tokens"] for rs in runs[n].values() for x in rs)
-    text = {n: eng.detokenize(runs[n]["lr_lookup"][0]["tokens"]) for n in job["tasks"]}
-    eng.close()
-    return {"chat_template": chat, "llama_cpp_python": lcpp_version, "prompt_tokens": {n: len(p) for n, p in prompts.items()},
-            "runs": runs, "diffs": diffs, "stable_across_repeats": stable, "text_lookup": text}
+    diffs = {}
+    if "lr_lookup" in which and "lr_plain" in which:
+        for n, toks in out.items():
+            i = _first_diff(toks["lr_plain"], toks["lr_lookup"])
+            if i is not None:
+                diffs[n] = {"index": i, **gap_at(prompts[n], toks["lr_plain"], toks["lr_lookup"], i)}
+    return out, diffs
 
 
 def spawn(job):
     """Run the worker in a fresh interpreter; its result is the one MARK line on stdout."""
     p = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(job),
-                       stdout=subprocess.PIPE, text=True, timeout=3600)  # stderr: progress, passed through
+                       stdout=subprocess.PIPE, text=True, timeout=4 * 3600)  # stderr: progress, passed through
     for line in p.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
@@ -242,91 +307,149 @@ def _f(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
-def bench_model(path, args, tasks):
-    w = spawn({"model": str(path), "n_ctx": 4096, "threads": args.threads, "tasks": tasks,
-               "max_tokens": args.max_tokens, "repeat": args.repeat})
+# ratio column -> (numerator engine, denominator engine)
+RATIOS = {"LU/off": ("lr_lookup", "lr_plain"), "LU/simple": ("lr_lookup", "ls_simple"),
+          "LU/mod": ("lr_lookup", "ls_mod"), "LU/lcpLU": ("lr_lookup", "lcpp_lookup"),
+          "simple/none": ("ls_simple", "ls_plain"), "mod/none": ("ls_mod", "ls_plain"),
+          "lcpLU/lcp": ("lcpp_lookup", "lcpp_plain")}
+DRAFTERS = ("lr_lookup", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens
+
+
+def task_rows(label, w, tasks):
     rows = []
     for n in tasks:
-        runs, d = w["runs"][n], w["diffs"].get(n)
+        runs = w["runs"][n]
         tps = {e: statistics.median([x["decode_tps"] for x in rs if x["decode_tps"]] or [0]) or None
                for e, rs in runs.items()}
-        ratio = lambda a, b: tps[a] / tps[b] if tps[a] and tps[b] else None  # noqa: E731
-        on = runs["lr_lookup"]
-        drafted = sum(x["drafted"] for x in on)
+        ratios = {k: tps[a] / tps[b] if tps.get(a) and tps.get(b) else None for k, (a, b) in RATIOS.items()}
+        drafts = {e: (sum(x["accepted"] for x in runs[e]) / len(runs[e]), sum(x["drafted"] for x in runs[e]) / len(runs[e]))
+                  for e in DRAFTERS if e in runs}
+        on = runs.get("lr_lookup")
         rows.append({
-            "model": path.name, "task": n, "group": TASKS[n][0], "prompt_tokens": w["prompt_tokens"][n],
-            "generated": on[0]["generated"], "finish": on[0]["finish"], "decode_tps": tps,
-            "speedup_lookup": ratio("lr_lookup", "lr_plain"),
-            "speedup_vs_lcpp_lookup": ratio("lr_lookup", "lcpp_lookup"),
-            "lcpp_lookup_speedup": ratio("lcpp_lookup", "lcpp_plain"),
-            "acceptance": sum(x["accepted"] for x in on) / drafted if drafted else None,
-            "tokens_per_step": sum(x["generated"] for x in on) / max(1, sum(x["steps"] for x in on)),
-            "identical": d is None, "first_diff": d, "stable_across_repeats": w["stable_across_repeats"][n],
-            "lcpp_lookup_identical_to_plain": runs["lcpp_lookup"][0]["tokens"] == runs["lcpp_plain"][0]["tokens"],
-            "lr_identical_to_lcpp": runs["lr_plain"][0]["tokens"] == runs["lcpp_plain"][0]["tokens"],
+            "model": label, "task": n, "group": TASKS[n][0], "prompt_tokens": w["prompt_tokens"][n],
+            "generated": len(next(iter(runs.values()))[0]["tokens"]), "decode_tps": tps, "ratios": ratios,
+            "drafts_per_run": drafts,
+            "lr_tokens_per_step": sum(x["generated"] for x in on) / max(1, sum(x["steps"] for x in on)) if on else None,
+            "stable_across_repeats": w["stable_across_repeats"][n],
             "tps_runs": {e: [x["decode_tps"] for x in rs] for e, rs in runs.items()},
-            "text_lookup": w["text_lookup"][n]})
-    return rows, {"chat_template": w["chat_template"], "llama_cpp_python": w["llama_cpp_python"]}
+            "text_lookup": w["text_lookup"].get(n)})
+    return rows
+
+
+def identity_summary(w):
+    """label -> {"same": k, "of": n, "diffs": {prompt: first differing index}}."""
+    out = {}
+    for label, on, off in IDENTITY_PAIRS:
+        sel = {n: t for n, t in w["identity"].items() if on in t and off in t}
+        if sel:
+            d = {n: _first_diff(t[off], t[on]) for n, t in sel.items()}
+            out[label] = {"same": sum(i is None for i in d.values()), "of": len(sel),
+                          "diffs": {n: i for n, i in d.items() if i is not None}}
+    return out
+
+
+def print_tables(rows, args, engines):
+    shown = [e for e in ENGINES if e in engines]
+    hdr = f"{'model':<9}{'task':<8}{'prompt':>7}{'gen':>5} |" + "".join(f"{e:>12}" for e in shown)
+    hdr += " | " + "".join(f"{'a/d ' + e.split('_')[1]:>11}" for e in DRAFTERS if e in engines)
+    print(f"\ndecode tok/s, median of {args.repeat}; threads={args.threads}; lr = localrun, ls = llama-server, "
+          f"lcpp = llama-cpp-python; a/d = accepted/drafted tokens per run\n{hdr}\n" + "-" * len(hdr))
+    for r in rows:
+        t, d = r["decode_tps"], r["drafts_per_run"]
+        print(f"{r['model']:<9}{r['task']:<8}{r['prompt_tokens']:>7}{r['generated']:>5} |"
+              + "".join(f"{_f(t.get(e), '.1f'):>12}" for e in shown) + " | "
+              + "".join(f"{'%.0f/%.0f' % d[e]:>11}" for e in DRAFTERS if e in d))
+    cols = [k for k, (a, b) in RATIOS.items() if a in engines and b in engines]
+    hdr = f"{'model':<9}{'task':<14}" + "".join(f"{k:>12}" for k in cols)
+    print(f"\nratios of decode tok/s (LU = localrun lookup; >1: the first is faster)\n{hdr}\n" + "-" * len(hdr))
+    for r in rows:
+        print(f"{r['model']:<9}{r['task']:<14}" + "".join(f"{_f(r['ratios'][k]):>12}" for k in cols))
+    summary = {}
+    for m in dict.fromkeys(r["model"] for r in rows):
+        for g in ("grounded", "chat"):
+            sel = [r for r in rows if r["model"] == m and r["group"] == g]
+            if sel:
+                s = summary[f"{m}/{g}"] = {k: _geo([r["ratios"][k] for r in sel]) for k in cols}
+                print(f"{m:<9}{'geo ' + g:<14}" + "".join(f"{_f(s[k]):>12}" for k in cols))
+    return summary
+
+
+def print_identity(ident, workers, max_tokens):
+    print(f"\nidentity at temperature 0: the same tokens with lookup on and off (up to {max_tokens} tokens each)")
+    for m, s in ident.items():
+        print(f"  identity {m}: " + "   ".join(f"{lab} {v['same']}/{v['of']}" for lab, v in s.items()))
+        for lab, v in s.items():
+            if v["diffs"] and lab != "lr-off=server-none":
+                print(f"    {lab} first differs at: " + ", ".join(f"{n}@{i}" for n, i in v["diffs"].items()))
+        for n, d in workers[m]["diffs"].items():
+            print(f"    localrun {n}@{d['index']}: no-lookup top-2 logit gap {d['top2_gap']:.4f}; lookup took "
+                  f"the runner-up: {d['lookup_token_is_top2']}; replay reproduced the no-lookup token: "
+                  f"{d['replay_matches']}")
+
+
+def resolve_model(m):
+    if m in MODELS:
+        return m, MODELS_DIR / MODELS[m]
+    path = Path(m) if Path(m).exists() else MODELS_DIR / m
+    return next((k for k, f in MODELS.items() if f == path.name), path.stem[:8]), path
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=MODELS, help="file names in $LOCALRUN_TEST_MODELS, or paths")
+    ap.add_argument("--models", nargs="+", help=f"short names {list(MODELS)}, file names in "
+                    "$LOCALRUN_TEST_MODELS, or paths (default: all three; --quick: smollm2)")
     ap.add_argument("--tasks", choices=["grounded", "chat", "all"], default="all")
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES)
+    ap.add_argument("--max-tokens", type=int, help="tokens per answer (default 160; --quick: 64)")
+    ap.add_argument("--repeat", type=int, help="timed runs per engine and task (default 3; --quick: 1)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--quick", action="store_true", help="smollm2 only, 1 repeat, 64 tokens")
+    ap.add_argument("--quick", action="store_true", help="smollm2, 1 repeat, 64 tokens, unless given otherwise")
+    ap.add_argument("--identity-only", action="store_true",
+                    help="no timing: the identity check only, with localrun and llama-server")
+    ap.add_argument("--llama-server", help="llama-server binary (default: the one build_llama_bench.sh builds)")
     ap.add_argument("--out", default="bench-lookup.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(MARK + json.dumps(work(json.load(sys.stdin))), flush=True)
         return 0
-    if args.quick:
-        args.models, args.repeat, args.max_tokens = MODELS[:1], 1, 64
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    args.max_tokens = args.max_tokens or (64 if args.quick else 160)
+    models = args.models or (["smollm2"] if args.quick else list(MODELS))
+    engines = [e for e in ENGINES if e in args.engines and not (args.identity_only and e.startswith("lcpp"))]
+    server = None
+    if any(e.startswith("ls_") for e in engines):
+        server = llama_server_path(args.llama_server)
+        if not os.access(server, os.X_OK):
+            print(f"error: no llama-server at {server}: build it with `bash scripts/build_llama_bench.sh`, "
+                  f"pass --llama-server PATH, or leave the ls_* engines out with --engines", file=sys.stderr)
+            return 2
+    resolved = [resolve_model(m) for m in models]
+    missing = [str(p) for _, p in resolved if not p.exists()]
+    if missing:
+        print(f"error: no model file {', '.join(missing)}: run scripts/fetch_test_models.py", file=sys.stderr)
+        return 2
     tasks = [n for n, t in TASKS.items() if args.tasks in ("all", t[0])]
     load0, t0 = os.getloadavg(), time.time()
-    rows, meta = [], {}
-    for m in args.models:
-        path = Path(m) if Path(m).exists() else MODELS_DIR / m
-        print(f"# {path.name}: {len(tasks)} tasks x {args.repeat} repeats, up to {args.max_tokens} tokens",
+    rows, workers, ident = [], {}, {}
+    for label, path in resolved:
+        what = "identity only" if args.identity_only else f"{len(tasks)} tasks x {args.repeat} repeats"
+        print(f"# {label} ({path.name}): {what}, up to {args.max_tokens} tokens, engines {' '.join(engines)}",
               file=sys.stderr, flush=True)
-        r, meta[path.name] = bench_model(path, args, tasks)
-        rows += r
+        w = workers[label] = spawn({
+            "model": str(path), "n_ctx": 4096, "threads": args.threads, "tasks": tasks, "engines": engines,
+            "max_tokens": args.max_tokens, "repeat": args.repeat, "server": str(server) if server else None,
+            "identity_only": args.identity_only})
+        rows += task_rows(label, w, tasks if not args.identity_only else [])
+        ident[label] = identity_summary(w)
         # saved after every model, so that a long run that dies late still leaves its rows
         Path(args.out).write_text(json.dumps({
-            "args": {k: v for k, v in vars(args).items() if k != "worker"}, "meta": meta,
-            "loadavg_start": load0, "loadavg_end": os.getloadavg(), "rows": rows}, indent=1))
-
-    hdr = (f"{'model':<32}{'task':<8}{'prompt':>7}{'gen':>5} | {'lr-LU':>6}{'lr':>6}{'lcpLU':>6}{'lcp':>6} | "
-           f"{'LU/lr':>6}{'lr/lcpLU':>9}{'lcpLU/lcp':>10} | {'acc':>5}{'tok/st':>7}  same")
-    print(f"\ndecode tok/s, median of {args.repeat}; threads={args.threads}; LU = prompt lookup; "
-          f"lr = localrun, lcp = llama-cpp-python\n{hdr}\n" + "-" * len(hdr))
-    for r in rows:
-        t, d = r["decode_tps"], r["first_diff"]
-        same = "yes" if r["identical"] else f"no @{d['index']} (gap {d['top2_gap']:.3f})"
-        print(f"{r['model']:<32}{r['task']:<8}{r['prompt_tokens']:>7}{r['generated']:>5} | "
-              + "".join(f"{_f(t[e], '.1f'):>6}" for e in ("lr_lookup", "lr_plain", "lcpp_lookup", "lcpp_plain"))
-              + f" | {_f(r['speedup_lookup']):>6}{_f(r['speedup_vs_lcpp_lookup']):>9}{_f(r['lcpp_lookup_speedup']):>10}"
-              f" | {_f(r['acceptance']):>5}{r['tokens_per_step']:>7.2f}  {same}")
-    summary = {}
-    print("\ngeometric means over tasks            LU/lr  lr-LU/lcpLU  lcpLU/lcp")
-    for m in dict.fromkeys(r["model"] for r in rows):
-        for g in ("grounded", "chat"):
-            sel = [r for r in rows if r["model"] == m and r["group"] == g]
-            if sel:
-                s = summary[f"{m}/{g}"] = {k: _geo([r[k] for r in sel]) for k in
-                                           ("speedup_lookup", "speedup_vs_lcpp_lookup", "lcpp_lookup_speedup")}
-                print(f"  {m:<32}{g:<9}{_f(s['speedup_lookup']):>6}{_f(s['speedup_vs_lcpp_lookup']):>12}"
-                      f"{_f(s['lcpp_lookup_speedup']):>11}")
-    flips = [r for r in rows if not r["identical"]]
-    print(f"\nlocalrun lookup output differs from no-lookup in {len(flips)} of {len(rows)} rows")
-    for r in flips:
-        d = r["first_diff"]
-        print(f"  {r['model']} {r['task']}: first diff at token {d['index']}; no-lookup top-2 logit gap "
-              f"{d['top2_gap']:.4f}; lookup took the runner-up: {d['lookup_token_is_top2']}; "
-              f"replay reproduced the no-lookup token: {d['replay_matches']}")
+            "args": {k: v for k, v in vars(args).items() if k != "worker"}, "engines": engines,
+            "loadavg_start": load0, "loadavg_end": os.getloadavg(), "rows": rows, "identity": ident,
+            "workers": {m: {k: v for k, v in x.items() if k not in ("runs", "identity")} for m, x in workers.items()},
+        }, indent=1))
+    summary = print_tables(rows, args, engines) if rows else {}
+    print_identity(ident, workers, args.max_tokens)
     unstable = [f"{r['model']}/{r['task']}" for r in rows if not r["stable_across_repeats"]]
     print(f"outputs that changed between repeats: {unstable or 'none'}\n"
           f"load average (1 min) {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; {time.time() - t0:.0f}s")
