@@ -3,9 +3,9 @@
 Every engine call (load, answer) runs on a worker thread, one at a time (ChatSession's
 lock); the event loop only draws. The answer worker puts each piece into an
 `AnswerFeed` and never waits for the UI; a timer takes what the feed holds once a frame
-(`FramePacer`: at most 15 a second, fewer when drawing would take over 3% of a core) and appends it
-to a Markdown stream, with one status update; the worker posts one `AnswerDone` at the
-end. Esc sets the worker's cancel flag: it stops after the current backend step and the
+(`FramePacer`: at most 15 a second, fewer when drawing would take over 3% of a core)
+and appends it to a Markdown stream, with one status update; the worker posts one
+`AnswerDone` at the end. Esc sets the worker's cancel flag: it stops after the current backend step and the
 text written so far stays in the chat.
 
     python -m localrun.tui.app MODEL [chat flags]   # what `localrun chat` runs
