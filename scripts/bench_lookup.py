@@ -39,7 +39,8 @@ localrun's first differ, the no-lookup top-2 logit gap there.
 
 from __future__ import annotations
 
-import argparse, json, math, os, socket, statistics, subprocess, sys, tempfile, time, urllib.error, urllib.request
+import argparse, json, math, os, signal, socket, statistics, subprocess, sys, tempfile, time, urllib.error
+import urllib.request
 from importlib import metadata
 from pathlib import Path
 
@@ -79,7 +80,8 @@ class LlamaServer:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.cmd + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=_die_with_parent)
         deadline = time.monotonic() + SERVER_START_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -115,6 +117,14 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the worker dies, however it dies, so
+    that a killed benchmark leaves no llama-server holding a model and a port."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
 def _strip_stop(tokens, stops) -> list[int]:
@@ -410,6 +420,9 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-lookup.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the worker's finally stops its servers, subprocess.run
+    # kills the worker.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.worker:
         print(MARK + json.dumps(work(json.load(sys.stdin))), flush=True)
         return 0
