@@ -41,7 +41,7 @@ _log = logging.getLogger("localrun")
 
 # A decode (or any call) that takes longer ends the child: a worker that vanished without
 # closing its socket never answers. Generous, since the first decode of a long prompt on a
-# slow worker may take a while; LOCALRUN_RPC_CALL_TIMEOUT_S overrides it.
+# slow worker may take a while; `serve --rpc-timeout` (or LOCALRUN_RPC_CALL_TIMEOUT_S) overrides it.
 CALL_TIMEOUT_S = 120.0
 # Loading sends every offloaded weight to the workers (tens of GB over a LAN for a big model).
 LOAD_TIMEOUT_S = 1800.0
@@ -61,17 +61,44 @@ class WorkerLostError(DecodeError):
     http_status = 503
 
 
-def call_timeout_default() -> float | None:
-    """CALL_TIMEOUT_S, or LOCALRUN_RPC_CALL_TIMEOUT_S ("inf": wait as long as a call takes)."""
-    raw = os.environ.get("LOCALRUN_RPC_CALL_TIMEOUT_S")
-    if not raw:
-        return CALL_TIMEOUT_S
+def parse_call_timeout(text: str) -> float:
+    """Seconds above 0 from `text`; "inf" (no bound) is allowed. ValueError otherwise."""
     try:
-        value = float(raw)
+        value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise ModelLoadError(f"LOCALRUN_RPC_CALL_TIMEOUT_S must be a number of seconds above 0, got {raw!r}")
+    if not value > 0:  # also refuses nan
+        raise ValueError(f"must be a number of seconds above 0, or inf to wait as long as a call takes; got {text!r}")
+    return value
+
+
+# `serve --rpc-timeout`: set once at start-up for every model the process hosts over its
+# workers, like the workers `--rpc` registers; None: not given.
+_call_timeout_flag: float | None = None
+
+
+def set_call_timeout(seconds: float | None) -> None:
+    """The call timeout of every RemoteBackend opened from now on without its own
+    (float("inf"): no bound; None: back to LOCALRUN_RPC_CALL_TIMEOUT_S or the default);
+    it wins over LOCALRUN_RPC_CALL_TIMEOUT_S."""
+    global _call_timeout_flag
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"the RPC call timeout must be above 0 seconds, got {seconds!r}")
+    _call_timeout_flag = seconds
+
+
+def call_timeout_default() -> float | None:
+    """The --rpc-timeout seconds, else LOCALRUN_RPC_CALL_TIMEOUT_S, else CALL_TIMEOUT_S;
+    None for "inf" (wait as long as a call takes)."""
+    value = _call_timeout_flag
+    if value is None:
+        raw = os.environ.get("LOCALRUN_RPC_CALL_TIMEOUT_S")
+        if not raw:
+            return CALL_TIMEOUT_S
+        try:
+            value = parse_call_timeout(raw)
+        except ValueError as exc:
+            raise ModelLoadError(f"LOCALRUN_RPC_CALL_TIMEOUT_S {exc}") from None
     return None if value == float("inf") else value
 
 
@@ -127,14 +154,20 @@ class RemoteBackend:
                  call_timeout: float | None = None, load_timeout: float = LOAD_TIMEOUT_S, **options) -> None:
         """workers: the cluster to split over (None: the one `--rpc` registered in this
         process); call_timeout: seconds a call may take before the child is given up
-        (default: call_timeout_default()); options: LlamaCppBackend's (n_ctx, n_seq,
+        (default: call_timeout_default(); inf: no bound); options: LlamaCppBackend's (n_ctx, n_seq,
         n_batch, threads, n_gpu_layers, kv_cache_type)."""
         from . import subprocess_host
 
         cluster = workers if workers is not None else rpc.active()
         if cluster is None:
             raise ValueError("RemoteBackend needs RPC workers: pass workers= or register them with --rpc first")
-        self.call_timeout = call_timeout_default() if call_timeout is None else call_timeout  # None: no bound
+        if call_timeout is None:
+            call_timeout = call_timeout_default()
+        elif not call_timeout > 0:
+            raise ValueError(f"call_timeout must be above 0 seconds (inf: no bound), got {call_timeout!r}")
+        elif call_timeout == float("inf"):
+            call_timeout = None
+        self.call_timeout = call_timeout  # None: no bound
         self.endpoints = [str(w.endpoint) for w in cluster.workers]
         self.lost: str | None = None  # why the child is gone, once it is
         self._main_lock = threading.Lock()  # one call at a time per pipe

@@ -3,7 +3,9 @@ model run locally, and what each generated token puts on the wire.
 
     .venv/bin/python scripts/bench_rpc.py [--model PATH] [--tokens 64] [--repeat 3] [--json OUT]
 
-Three setups, in one process, one after the other: local; two workers reached directly;
+Four setups, one after the other: local; two workers reached directly from this process;
+the same two with the model in a child process, as `serve --rpc` hosts it
+(backends/remote.py: a pipe call per decode, logits rows through shared memory); and
 the same two through a TCP proxy of this script that counts bytes and turns (a turn: the
 client sends, then waits for an answer: one network round trip). Bytes and turns are
 counted from the first generated token to the last, so the prompt's prefill and the
@@ -113,8 +115,10 @@ class Proxy:
 # -- measurements --------------------------------------------------------------------
 
 
-def run_once(model: str, args, workers, proxies=()) -> dict:
+def run_once(model: str, args, workers, proxies=(), hosted: bool = False) -> dict:
+    """hosted: the model runs in a child process (RemoteBackend), as `serve --rpc` runs it."""
     from localrun.backends.llamacpp import LlamaCppBackend
+    from localrun.backends.remote import RemoteBackend
     from localrun.engine import Engine
     from localrun.request import GenerationRequest
     from localrun.sampling import SamplingParams
@@ -124,7 +128,7 @@ def run_once(model: str, args, workers, proxies=()) -> dict:
         return [sum(s[i] for s in snaps) for i in range(3)]
 
     before_load = totals()
-    backend = LlamaCppBackend(model, n_ctx=1024, threads=args.threads, workers=workers)
+    backend = (RemoteBackend if hosted else LlamaCppBackend)(model, n_ctx=1024, threads=args.threads, workers=workers)
     loaded = totals()
     engine = Engine(backend)
     try:
@@ -146,8 +150,8 @@ def run_once(model: str, args, workers, proxies=()) -> dict:
             "placement": backend.placement.describe() if backend.placement else "local"}
 
 
-def measure(model: str, args, workers=None, proxies=()) -> dict:
-    runs = [run_once(model, args, workers, proxies) for _ in range(args.repeat)]
+def measure(model: str, args, workers=None, proxies=(), hosted: bool = False) -> dict:
+    runs = [run_once(model, args, workers, proxies, hosted) for _ in range(args.repeat)]
     out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "placement"}
     out["placement"] = runs[0]["placement"]
     return out
@@ -180,6 +184,7 @@ def main() -> int:
         local = measure(args.model, args)
         direct = rpc.connect([rpc.Endpoint("127.0.0.1", p) for p in ports], split, activate=False)
         remote = measure(args.model, args, direct)
+        hosted = measure(args.model, args, direct, hosted=True)  # a worker serves one client: after the above
         counted = rpc.connect([rpc.Endpoint("127.0.0.1", p.port) for p in proxies], split, activate=False)
         wire = measure(args.model, args, counted, proxies)
     finally:
@@ -189,12 +194,15 @@ def main() -> int:
 
     lan_ms = wire["bytes_per_token"] / LAN_BYTES_PER_S * 1000 + wire["turns_per_token"] * args.lan_rtt_ms
     lan_tps = 1000 / (1000 / remote["decode_tps"] + lan_ms) if remote["decode_tps"] else 0.0
+    child_ratio = hosted["decode_tps"] / remote["decode_tps"] if remote["decode_tps"] else 0.0
     rows = [
         ("setup", "decode tok/s", "vs local", "bytes/token", "turns/token", "1 Gb/s LAN adds"),
         ("local", f"{local['decode_tps']:.1f}", "1.00", "-", "-", "-"),
         ("2 loopback workers", f"{remote['decode_tps']:.1f}", f"{remote['decode_tps'] / local['decode_tps']:.2f}",
          f"{wire['bytes_per_token'] / 1024:.1f} KB", f"{wire['turns_per_token']:.1f}",
          f"{lan_ms:.2f} ms/token (~{lan_tps:.1f} tok/s)"),
+        ("  model in a child process", f"{hosted['decode_tps']:.1f}",
+         f"{hosted['decode_tps'] / local['decode_tps']:.2f}", "", "", ""),
         ("  through the counting proxy", f"{wire['decode_tps']:.1f}", f"{wire['decode_tps'] / local['decode_tps']:.2f}",
          "", "", ""),
     ]
@@ -202,12 +210,14 @@ def main() -> int:
     print(f"{Path(args.model).name}, {args.tokens} tokens, median of {args.repeat}; split: {remote['placement']}")
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"model in a child process (serve --rpc) / in this process: {child_ratio:.2f} of the decode tok/s")
     print(f"load sent {wire['load_bytes'] / 2**20:.1f} MiB of weights to the workers;"
           f" {wire['up_per_token'] / 1024:.1f} KB/token client->workers")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "local": local,
-                                               "rpc": remote, "wire": wire, "lan_ms_per_token": lan_ms,
-                                               "lan_rtt_ms": args.lan_rtt_ms}, indent=2))
+                                               "rpc": remote, "rpc_child_process": hosted,
+                                               "child_vs_in_process": child_ratio, "wire": wire,
+                                               "lan_ms_per_token": lan_ms, "lan_rtt_ms": args.lan_rtt_ms}, indent=2))
     return 0
 
 

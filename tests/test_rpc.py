@@ -237,6 +237,48 @@ def test_a_lost_host_process_names_the_worker_that_is_gone_and_what_to_do(monkey
             call_timeout_default()
 
 
+def test_rpc_timeout_flag_wins_over_the_environment(monkeypatch):
+    from localrun.backends import remote
+
+    monkeypatch.setattr(remote, "_call_timeout_flag", None)  # whatever another test set
+    monkeypatch.setenv("LOCALRUN_RPC_CALL_TIMEOUT_S", "7")
+    remote.set_call_timeout(4.0)
+    assert remote.call_timeout_default() == 4.0
+    remote.set_call_timeout(float("inf"))
+    assert remote.call_timeout_default() is None  # no bound
+    remote.set_call_timeout(None)
+    assert remote.call_timeout_default() == 7.0
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="above 0 seconds"):
+            remote.set_call_timeout(bad)
+    assert remote.parse_call_timeout("1e400") == float("inf") and remote.parse_call_timeout("0.5") == 0.5
+
+
+def test_serve_parses_rpc_timeout():
+    from localrun.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--rpc", "127.0.0.1:1", "--rpc-timeout", "30"]).rpc_timeout == 30.0
+    assert parser.parse_args(["serve", "--rpc", "127.0.0.1:1", "--rpc-timeout", "inf"]).rpc_timeout == float("inf")
+    assert parser.parse_args(["serve"]).rpc_timeout is None  # remote.py's default (120 s) then holds
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan", "-inf"])
+def test_a_bad_rpc_timeout_is_one_error_line(value):
+    res = localrun("serve", "--rpc", "127.0.0.1:1", f"--rpc-timeout={value}", timeout=60)  # = lets "-inf" in
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in error_lines(res.stderr) if "error:" in line]
+    assert errors == [f"localrun serve: error: argument --rpc-timeout: must be a number of seconds above 0,"
+                      f" or inf to wait as long as a call takes; got {value!r}"], res.stderr
+
+
+def test_rpc_timeout_without_workers_is_refused():
+    res = localrun("serve", "--rpc-timeout", "30", "--port", str(free_port()), timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert error_lines(res.stderr) == ["error: --rpc-timeout bounds calls to --rpc workers: add --rpc HOST:PORT,"
+                                       " or drop it"]
+
+
 # -- command-line errors (any build) ---------------------------------------------------
 
 
@@ -584,7 +626,7 @@ def test_serve_survives_a_worker_killed_mid_answer(tmp_path, smollm2_gguf):
 @needs_rpc
 def test_serve_gives_up_on_a_worker_that_hangs(tmp_path, smollm2_gguf):
     """A worker that stops answering without closing its socket (SIGSTOP: a machine that
-    vanished) would hold a decode forever; after LOCALRUN_RPC_CALL_TIMEOUT_S the answer
+    vanished) would hold a decode forever; after --rpc-timeout seconds the answer
     ends with an error and the server goes on; once the worker runs again, so does the model."""
     sys.path.insert(0, str(Path(__file__).parent))
     import httpx
@@ -593,7 +635,7 @@ def test_serve_gives_up_on_a_worker_that_hangs(tmp_path, smollm2_gguf):
     stuck, other = WorkerProcess(tmp_path), WorkerProcess(tmp_path)
     server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1",
                     "--rpc", f"{stuck.endpoint},{other.endpoint}", "--tensor-split", "1,1,1",
-                    env={"LOCALRUN_RPC_CALL_TIMEOUT_S": "4"})
+                    "--rpc-timeout", "4")
     try:
         health_while_stuck = []
 

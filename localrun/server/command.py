@@ -31,7 +31,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadRequestError(f"--batch must be at least 16 tokens, got {args.batch}")
     from ..rpc_cli import apply_rpc_flags
 
+    if args.rpc_timeout is not None and not args.rpc:
+        raise BadRequestError("--rpc-timeout bounds calls to --rpc workers: add --rpc HOST:PORT, or drop it")
     apply_rpc_flags(args, announce=True)  # --rpc workers: probed and registered once; every GGUF load uses them
+    if args.rpc_timeout is not None:
+        from ..backends import remote
+
+        remote.set_call_timeout(args.rpc_timeout)  # for every model hosted over the workers, as --rpc is
     manager = ModelManager(
         args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
         args.batch, args.max_models, kv_cache_type=args.kv_cache_type, allow_paths=args.allow_paths,
@@ -78,6 +84,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _rpc_timeout(text: str) -> float:
+    """argparse type of --rpc-timeout: seconds above 0, or inf."""
+    from ..backends.remote import parse_call_timeout
+
+    try:
+        return parse_call_timeout(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="serve models over HTTP (OpenAI, Ollama and llama-server APIs)")
     p.add_argument("--model", action="append", default=None, metavar="MODEL",
@@ -116,4 +132,8 @@ def add_commands(sub) -> None:
     from ..rpc_cli import add_rpc_flags
 
     add_rpc_flags(p)
+    p.add_argument("--rpc-timeout", type=_rpc_timeout, default=None, metavar="SECONDS",
+                   help="with --rpc: a call to the model's process that gets no answer this long means a worker"
+                   " hangs; the answers in flight end with an error naming it and the next request loads the"
+                   " model again (default 120; inf: wait as long as a call takes)")
     p.set_defaults(func=cmd_serve)
