@@ -265,6 +265,9 @@ class Engine:
         now = time.perf_counter()
         if len(feeds) == 1 and feeds[0].gen.decoding and feeds[0].entry.n_logits:
             self.step_cost.observe(len(feeds[0].entry.tokens), (now - t0) * 1000)
+        if len(feeds) > 1 and self.drift.calibrating and any(f.draft for f in feeds):
+            # a calibrating step decodes again, into the buffer the others' rows may live in
+            rows = [np.array(r) for r in rows]
         events: dict[int, Event] = {}
         for f, r in zip(feeds, rows):
             g = f.gen

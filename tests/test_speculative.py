@@ -258,3 +258,47 @@ def test_disabled_lookup_never_drafts():
     on, be = run(False, GREEDY, max_tokens=20)
     assert all(len(e.tokens) == 1 for call in be.calls[1:] for e in call)
     assert on[-1].timings.drafted == 0
+
+
+class BufferBackend(DriftingBackend):
+    """Rows live in one buffer that every decode overwrites from its start, as llama.cpp's
+    do; the last entry's rows come first there (llama.cpp orders them by its own rule)."""
+
+    buffer = np.zeros((64, N_VOCAB), np.float32)
+
+    def decode(self, batch):
+        rows = super().decode(batch)
+        out, at = [None] * len(rows), 0
+        for i in reversed(range(len(rows))):
+            self.buffer[at : at + len(rows[i])] = rows[i]
+            out[i] = self.buffer[at : at + len(rows[i])]
+            at += len(rows[i])
+        return out
+
+
+def cycle_or_walk(hist: list[int]) -> np.ndarray:
+    """A prompt starting with 'a' repeats the near-tie cycle (lookup drafts it); any other
+    walks through tokens that depend on its whole history (a clobbered row shows)."""
+    if hist[0] == ord("a"):
+        return near_tie_logits(hist)
+    row = np.full(N_VOCAB, -30.0, np.float32)
+    row[40 + (sum(hist) * 31 + len(hist)) % 80] = 3.0
+    return row
+
+
+def test_calibrating_one_generation_leaves_the_others_rows_intact():
+    """Two greedy generations in one step while the batch drift is being measured: the
+    re-decoding for one must not clobber the rows the other reads next."""
+    prompts = ["abcabcab", "zyx"]
+    solo = []
+    for p in prompts:
+        eng = Engine(ScriptedBackend(logits_fn=cycle_or_walk, n_ctx=256))
+        solo.append(eng.complete(p, sampling=GREEDY, max_tokens=40, lookup=False).tokens)
+    eng = Engine(BufferBackend(logits_fn=cycle_or_walk, n_ctx=256, n_seq=2))
+    lookup = LookupConfig(measure_cost=False, cost_per_draft=0.2)
+    # the second one steps plainly: it reads its one row after the first one re-decoded
+    gens = [eng.start(p, sampling=GREEDY, max_tokens=40, lookup=lk) for p, lk in zip(prompts, [lookup, False])]
+    while not all(g.done for g in gens):
+        eng.step(gens)
+    assert [g.output for g in gens] == solo
+    assert gens[0].timings.accepted > 0
