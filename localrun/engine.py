@@ -25,13 +25,13 @@ from localrun.backends import open_backend
 from localrun.backends.base import DEFAULT_N_BATCH, Backend, BatchEntry, DecodeInterrupted, ModelInfo
 
 from . import chat_template as chat_template_module
-from . import slots
+from . import drift_cache, slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, Timings
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
-from .speculative import BatchDrift, DraftController, StepCost
+from .speculative import DraftController, StepCost
 from .textstream import StopMatcher
 from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
 from .tools.model import ModelTools
@@ -61,7 +61,7 @@ class Engine:
         )
         self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
         self.step_cost = StepCost()  # what a wider speculative step costs on this model
-        self.drift = BatchDrift()  # how far a wide step's rows stray from one-row steps'
+        self.drift = drift_cache.recall(backend)  # how far a wide step's rows stray from one-row steps'
 
     @property
     def supports_tools(self) -> bool:
@@ -379,6 +379,8 @@ class Engine:
                 wide = wide_rows[j]
                 self.drift.observe(abs(float((wide[two[1]] - wide[two[0]]) - (row[two[1]] - row[two[0]]))))
                 alone.append(row)
+            if not self.drift.calibrating:
+                drift_cache.remember(self.backend, self.drift)
             return alone
         except DecodeInterrupted:  # nothing is decided this step; the KV goes back to the pending token
             self.backend.kv_trim(g.seq, base)

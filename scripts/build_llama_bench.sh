@@ -40,6 +40,21 @@ have_all() {
     for t in "${targets[@]}"; do [[ -x "$bin/$t" ]] || return 1; done
 }
 
+# ggml's AMX matmul segfaults on some Sapphire Rapids CPUs (the same upstream bug that
+# scripts/setup.sh builds llama-cpp-python around), and GGML_NATIVE's -march=native turns
+# it on: on x86-64 the tools are built without it, so that localrun and its peers run the
+# same kernels. The flags are stamped into the build folder; a build made with other
+# flags (an older run of this script) is thrown away rather than trusted.
+flags=""
+case "$(uname -m)" in
+    x86_64|amd64) flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ;;
+esac
+stamp="$build/.localrun-flags"
+if [[ -d "$build" && "$(cat "$stamp" 2>/dev/null || echo none)" != "flags=$flags" ]]; then
+    echo "rebuilding: $build was made with other compiler flags" >&2
+    rm -rf "$build"
+fi
+
 if have_all; then
     echo "llama.cpp tools for llama-cpp-python $VER already built" >&2
     echo "$bin"
@@ -91,9 +106,11 @@ declares LLAMA_BUILD_SERVER && opts+=(-DLLAMA_BUILD_SERVER=ON)
 gen=()
 command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
 
+[[ -n "$flags" ]] && opts+=("-DCMAKE_C_FLAGS=$flags" "-DCMAKE_CXX_FLAGS=$flags")
 if [[ ! -f "$build/CMakeCache.txt" ]]; then
     echo "configuring in $build: ${opts[*]}" >&2
     cmake -S "$src" -B "$build" "${gen[@]}" "${opts[@]}" >&2
+    echo "flags=$flags" > "$stamp"
 fi
 
 # 3. Build only what we need; everything else in llama.cpp would double the time.

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 import pytest
 
@@ -302,3 +305,25 @@ def test_calibrating_one_generation_leaves_the_others_rows_intact():
         eng.step(gens)
     assert [g.output for g in gens] == solo
     assert gens[0].timings.accepted > 0
+
+
+def test_a_measured_drift_is_remembered_for_the_same_model_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALRUN_DATA", str(tmp_path / "data"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"weights")
+
+    def engine():
+        be = DriftingBackend(logits_fn=near_tie_logits, n_ctx=256)
+        be.info = dataclasses.replace(be.info, path=str(model))
+        return Engine(be)
+
+    first = engine()
+    assert first.drift.calibrating  # never measured for this file
+    first.complete("abcabcab", sampling=GREEDY, max_tokens=80, lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2))
+    assert not first.drift.calibrating
+    again = engine()
+    assert not again.drift.calibrating and again.drift.worst == pytest.approx(first.drift.worst)
+    os.utime(model, ns=(1, 1))  # another file now (a re-download, a re-quantize): measure again
+    assert engine().drift.calibrating
+    (tmp_path / "data" / "batch-drift.json").write_text("{not json")  # a damaged cache: measure again
+    assert engine().drift.calibrating
