@@ -136,20 +136,21 @@ def run_app_tmux(args, tmp: Path, prompt_tokens: int) -> Run:
     def screen() -> str:
         return subprocess.run(["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True).stdout
 
-    def wait(condition, what: str, timeout: float = 300):
+    def wait(condition, what: str, timeout: float = 300, every: float = 0.1):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = condition()
             if found:
                 return found
-            time.sleep(0.1)
+            time.sleep(every)
         raise SystemExit(f"error: timed out waiting for {what}; screen:\n{screen()}")
 
     try:
         wait(lambda: f"ctx 0/{args.ctx}" in screen(), "the model to load")
         subprocess.run(["tmux", "send-keys", "-t", name, "-l", args.question], check=True)
         subprocess.run(["tmux", "send-keys", "-t", name, "Enter"], check=True)
-        text = wait(lambda: saved_answer(Path(env["LOCALRUN_DATA"])), "the answer to be saved")
+        # looked for twice a second: this script's own polling must not slow the app it measures
+        text = wait(lambda: saved_answer(Path(env["LOCALRUN_DATA"])), "the answer to be saved", every=0.5)
 
         def final_status():  # the status line once it shows the whole answer's context
             m = STATUS.search(screen())
