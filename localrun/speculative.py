@@ -41,7 +41,7 @@ from dataclasses import dataclass
 # copying likelier. The priors only open the door; measurements take over within a few
 # drafts.
 BANDS = (2, 4, 8, 16, 1 << 30)
-PRIOR_RATE = (0.3, 0.5, 0.65, 0.8, 0.9)
+PRIOR_RATE = (0.3, 0.5, 0.65, 0.85, 0.95)
 PRIOR_WEIGHT = 3.0  # the prior counts as this many judged tokens
 DECAY = 0.9  # per draft judged in a band: older evidence fades
 MAX_MATCH = 64  # how far a match is extended backwards (longer says nothing more)
@@ -121,35 +121,42 @@ class LookupConfig:
 
 
 class StepCost:
-    """A step's time by how many rows one sequence had verified in it, for one model.
-    Only steps with a single sequence count (a server step shared by several streams
-    says nothing clean about one of them)."""
+    """A step's time by how many rows one sequence had verified in it, for one model, as a
+    ratio to a one-row step's time measured at about the same moment (so that load that
+    comes and goes, or a first step slowed by a long prefill, does not skew widths that
+    were measured at other moments). Only steps with a single sequence count (a server
+    step shared by several streams says nothing clean about one of them)."""
 
     ALPHA = 0.25
 
     def __init__(self) -> None:
-        self._ms: dict[int, float] = {}
+        self._plain_ms: float | None = None
+        self._ratio: dict[int, float] = {}
 
     def observe(self, rows: int, ms: float) -> None:
-        old = self._ms.get(rows)
-        self._ms[rows] = ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * ms
+        if rows <= 1:
+            old = self._plain_ms
+            self._plain_ms = ms if old is None else (1 - self.ALPHA) * old + self.ALPHA * ms
+            return
+        if not self._plain_ms:
+            return  # nothing to compare with yet
+        ratio = ms / self._plain_ms
+        old = self._ratio.get(rows)
+        self._ratio[rows] = ratio if old is None else (1 - self.ALPHA) * old + self.ALPHA * ratio
 
     def ratio(self, rows: int, prior_per_row: float) -> float:
         """Estimated time of a `rows`-row step over a one-row step's: measured where it
         was, interpolated between measured widths, and beyond the widest measured one
         extended by `prior_per_row` a row (optimistic: that width gets measured)."""
-        plain = self._ms.get(1)
         if rows <= 1:
             return 1.0
-        if not plain:
-            return 1.0 + prior_per_row * (rows - 1)
-        if rows in self._ms:
-            return self._ms[rows] / plain
-        lower = max((r for r in self._ms if r < rows), default=1)
-        upper = min((r for r in self._ms if r > rows), default=None)
-        lo = self._ms[lower] / plain
+        if rows in self._ratio:
+            return self._ratio[rows]
+        lower = max((r for r in self._ratio if r < rows), default=1)
+        upper = min((r for r in self._ratio if r > rows), default=None)
+        lo = self._ratio.get(lower, 1.0)
         if upper is not None:
-            hi = self._ms[upper] / plain
+            hi = self._ratio[upper]
             return lo + (hi - lo) * (rows - lower) / (upper - lower)
         return lo + prior_per_row * (rows - lower)
 

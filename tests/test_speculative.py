@@ -210,6 +210,18 @@ def test_step_cost_is_measured_interpolated_and_extended():
     assert cost.ratio(21, 0.25) == pytest.approx(6.8 + 4 * 0.25)  # past the widest: optimistic
 
 
+def test_step_cost_compares_each_width_with_one_row_steps_of_its_moment():
+    cost = StepCost()
+    cost.observe(17, 50.0)  # no one-row step yet: nothing to compare with
+    assert cost.ratio(17, 0.5) == pytest.approx(9.0)  # the prior
+    for _ in range(10):
+        cost.observe(1, 20.0)  # a loaded moment...
+    cost.observe(17, 100.0)
+    for _ in range(30):
+        cost.observe(1, 10.0)  # ...that passed: one-row steps are faster now
+    assert cost.ratio(17, 0.5) == pytest.approx(5.0)  # still 100 / 20, not 100 / 10
+
+
 def test_controller_drafts_only_what_pays_at_the_measured_cost():
     cost = StepCost()
     for _ in range(10):
