@@ -24,7 +24,6 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
@@ -108,14 +107,9 @@ def is_lost(backend) -> bool:
 
 
 def accepts(endpoint: str, timeout: float = REACH_TIMEOUT_S) -> bool:
-    """Whether a worker's port still accepts a connection (a dead worker's refuses, a
-    vanished machine's times out)."""
-    host, _, port = endpoint.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
+    """Whether a worker's port still accepts a connection: rpc.accepts, waiting
+    REACH_TIMEOUT_S per worker when finding which one a lost host process lost."""
+    return rpc.accepts(endpoint, timeout)
 
 
 def lost_message(cause: str, endpoints: Sequence[str], gone: Sequence[str]) -> str:

@@ -523,8 +523,9 @@ def _terminal_restorer():
     return restore
 
 
-def _accepts(endpoint: str, timeout: float = 0.5) -> bool:
-    """Whether something still accepts connections at host:port (a dead worker's port refuses)."""
+def accepts(endpoint: str, timeout: float = 0.5) -> bool:
+    """Whether something still accepts connections at host:port (a dead worker's port refuses,
+    a vanished machine's times out). Also backends/remote.py's test for a lost worker."""
     host, _, port = endpoint.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
@@ -545,7 +546,7 @@ def abort_message(message: str, hellos: dict[str, Hello]) -> str | None:
         if ep in text:
             return f"lost the RPC worker at {ep} ({text}); check that it still runs and is reachable"
     if "Remote RPC server crashed" in text:
-        gone = [ep for ep in hellos if not _accepts(ep)]
+        gone = [ep for ep in hellos if not accepts(ep)]
         who = f"the RPC worker at {', '.join(gone)}" if gone else "an RPC worker"
         return (f"{who} stopped answering (it was stopped, crashed or the network dropped); this process"
                 " cannot go on without its layers: restart the worker and run again")
