@@ -31,7 +31,7 @@ from .generation import Completion, Event, Generation, Timings
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
-from .speculative import DraftController, StepCost
+from .speculative import Acceptance, DraftController, StepCost
 from .textstream import StopMatcher
 from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
 from .tools.model import ModelTools
@@ -61,6 +61,7 @@ class Engine:
         )
         self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
         self.step_cost = StepCost()  # what a wider speculative step costs on this model
+        self.acceptance = Acceptance()  # what this model's drafts have done lately, per match length
         self.drift = drift_cache.recall(backend)  # how far a wide step's rows stray from one-row steps'
 
     @property
@@ -172,7 +173,7 @@ class Engine:
             timings=Timings(prompt_tokens=len(tokens), cached_tokens=n_keep),
         )
         if request.lookup.enabled:
-            gen.lookup = DraftController(request.lookup, self.step_cost)
+            gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance)
         if request.tools:  # prepare() built and compiled it: cache hits
             grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))

@@ -108,7 +108,7 @@ def propose(history, min_n: int = 2, k: int = 8) -> list[int]:
 class LookupConfig:
     enabled: bool = True
     min_match: int = 2  # never draft behind a shorter match (a pair is the index key)
-    max_draft: int = 32
+    max_draft: int = 48  # as llama-server's ngram-simple; a long copied span pays most in few steps
     # Cost of one more verified row, in single-token steps, for widths not measured yet:
     # optimistic on purpose, so that long drafts get tried and measured (a wide step that
     # costs more than this is seen at once and not repeated). Measured on this project's
@@ -161,21 +161,51 @@ class StepCost:
         return lo + prior_per_row * (rows - lower)
 
 
+class Acceptance:
+    """Decayed accepted / judged draft tokens per match-length band. A band's rate starts
+    from its prior: `PRIOR_RATE`, or another Acceptance's current rate (a generation's
+    starts from what drafts of the same model did lately, so a session of code edits does
+    not ramp up from scratch on every request)."""
+
+    def __init__(self, prior: "Acceptance | None" = None) -> None:
+        self.prior = prior
+        self._hits = [0.0] * len(BANDS)
+        self._trials = [0.0] * len(BANDS)
+
+    def rate(self, band: int) -> float:
+        start = self.prior.rate(band) if self.prior is not None else PRIOR_RATE[band]
+        return (self._hits[band] + start * PRIOR_WEIGHT) / (self._trials[band] + PRIOR_WEIGHT)
+
+    def judged(self, band: int, drafted: int, accepted: int) -> None:
+        """Tokens after the first rejection were never judged: the trials are the accepted
+        ones plus that one rejection."""
+        self._hits[band] = DECAY * self._hits[band] + accepted
+        self._trials[band] = DECAY * self._trials[band] + accepted + (1 if accepted < drafted else 0)
+        if self.prior is not None:
+            self.prior.judged(band, drafted, accepted)
+
+    def rest(self, band: int) -> None:
+        """Halve a band's own evidence, so that its prior carries a later try."""
+        self._hits[band] *= 0.5
+        self._trials[band] *= 0.5
+
+
 class DraftController:
     """One generation's drafting: acceptance per match-length band, and the length that
     pays most given the model's step cost."""
 
-    def __init__(self, cfg: LookupConfig, cost: StepCost | None = None) -> None:
+    def __init__(self, cfg: LookupConfig, cost: StepCost | None = None, model: Acceptance | None = None) -> None:
+        """`cost` and `model` are the model's (shared by its generations): the measured
+        step cost, and the acceptance its drafts had lately."""
         self.cfg = cfg
         self.cost = cost if cost is not None else StepCost()
+        self.acceptance = Acceptance(prior=model)
         self.index = NgramIndex()
-        self._hits = [0.0] * len(BANDS)  # decayed accepted drafts, per band
-        self._trials = [0.0] * len(BANDS)  # decayed judged drafts, per band
         self._pause = [0] * len(BANDS)  # plain steps left before a band is tried again
         self.band = -1  # the band of the draft in flight
 
     def rate(self, band: int) -> float:
-        return (self._hits[band] + PRIOR_RATE[band] * PRIOR_WEIGHT) / (self._trials[band] + PRIOR_WEIGHT)
+        return self.acceptance.rate(band)
 
     def row_cost(self, rows: int) -> float:
         if not self.cfg.measure_cost:
@@ -196,8 +226,7 @@ class DraftController:
         k = self.best_length(self.rate(band), len(candidate))
         if k == 0:  # rest the band; its old evidence weighs half when it is tried again
             self._pause[band] = self.cfg.cooldown_steps
-            self._hits[band] *= 0.5
-            self._trials[band] *= 0.5
+            self.acceptance.rest(band)
             return []
         self.band = band
         return candidate[:k]
@@ -216,13 +245,10 @@ class DraftController:
         return best_k
 
     def record(self, drafted: int, accepted: int) -> None:
-        """The verdict on the draft in flight. Tokens after the first rejection were never
-        judged: the trials are the accepted ones plus that one rejection."""
+        """The verdict on the draft in flight."""
         if not drafted or self.band < 0:
             return
-        b = self.band
-        self._hits[b] = DECAY * self._hits[b] + accepted
-        self._trials[b] = DECAY * self._trials[b] + accepted + (1 if accepted < drafted else 0)
+        self.acceptance.judged(self.band, drafted, accepted)
         self.band = -1
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from localrun.engine import Engine
 from localrun.sampling import SamplingParams
-from localrun.speculative import BatchDrift, DraftController, LookupConfig, NgramIndex, StepCost, propose
+from localrun.speculative import Acceptance, BatchDrift, DraftController, LookupConfig, NgramIndex, StepCost, propose
 
 from fakes import EOS, N_VOCAB, ScriptedBackend
 
@@ -256,6 +256,20 @@ def test_controller_rests_a_band_that_fails_and_tries_it_again():
     assert tries >= 2  # ...until it stopped paying: the band rests (this step was plain)
     assert [c.draft(h, 8) for _ in range(3)] == [[], [], []]  # cooldown_steps more
     assert c.draft(h, 8)  # its evidence halved, the prior carries it to a new try
+
+
+def test_a_new_generation_starts_from_what_the_models_drafts_did_lately():
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.3)
+    copy = list(range(100, 200))
+    h = copy + [1] + copy[:20]  # a 20-token match
+    model = Acceptance()
+    first = DraftController(cfg, model=model)
+    fresh_start = len(first.draft(h, 48))
+    for _ in range(6):  # a code edit: every draft kept whole
+        first.draft(h, 48)
+        first.record(10, 10)
+    assert len(DraftController(cfg, model=model).draft(h, 48)) > fresh_start
+    assert len(DraftController(cfg).draft(h, 48)) == fresh_start  # another model's engine: its own prior
 
 
 def test_controller_lengthens_drafts_when_they_are_accepted():
