@@ -13,6 +13,7 @@ import ctypes
 import numpy as np
 import pytest
 
+from localrun import rpc
 from localrun.sampling import Sampler, SamplingParams, TokenText
 
 lc = pytest.importorskip("llama_cpp")
@@ -274,6 +275,12 @@ def vocab(smollm2_gguf):
     lc.llama_backend_init()
     mp = lc.llama_model_default_params()
     mp.vocab_only = True
+    if rpc.any_registered():
+        # an earlier test registered RPC workers in this process (registration is
+        # process-wide, and they are gone now): name this machine's devices, as localrun's
+        # own backend does, or llama.cpp would reach for the dead workers and abort
+        devices = rpc.device_array(rpc.local_gpus())
+        mp.devices = ctypes.cast(devices, ctypes.c_void_p)
     model = lc.llama_model_load_from_file(str(smollm2_gguf).encode(), mp)
     assert model, "llama.cpp could not load SmolLM2's vocabulary"  # present but unloadable is a failure
     v = lc.llama_model_get_vocab(model)
