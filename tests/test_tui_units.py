@@ -292,6 +292,17 @@ def test_pacer_keeps_the_frame_rate_and_backs_off_when_drawing_gets_expensive():
     assert not p.due(0.55, 0.05) and p.due(0.65, 0.06)  # counted from the last frame, not from the start
 
 
+def test_pacer_shows_the_answer_every_max_gap_however_busy_the_ui_thread_is():
+    """Input, layout or a test's pilot keep the event loop's thread busy too: the share rule
+    thins frames out, but never holds the answer (and its status line) back for longer."""
+    p = FramePacer(hz=10, max_share=0.03, max_gap=0.5)
+    p.drawn(0.0, 0.0)
+    assert not p.due(0.3, 0.3)  # the UI thread was busy the whole time: over its share
+    assert p.due(0.5, 0.5)  # but half a second has passed
+    p.drawn(0.5, 0.5)
+    assert not p.due(0.9, 0.9) and p.due(1.0, 1.0)
+
+
 @pytest.mark.parametrize("hz, share", [(0, 0.1), (-5, 0.1), (10, 0), (10, 1.5)])
 def test_pacer_rejects_a_rate_or_share_that_cannot_work(hz, share):
     with pytest.raises(ValueError, match="frame rate must be > 0"):

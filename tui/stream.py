@@ -23,6 +23,9 @@ FRAME_HZ = 15  # frames a second at most: smooth to read, a small fraction of a 
 # machine llama.cpp runs a thread per core and waits for the slowest, so the UI's share
 # of a core comes off decoding nearly one for one (issue 16 allows the app 5% in all)
 MAX_UI_SHARE = 0.03
+# however busy the UI thread is (input, layout, a test's pilot all count as its CPU), the
+# answer on screen is never older than this: the share rule only thins frames out
+MAX_FRAME_GAP_S = 0.5
 GIL_SWITCH_S = 0.001  # while the app runs: how long a thread holding the GIL keeps a waiting one out
 
 
@@ -68,8 +71,10 @@ class FramePacer:
 
     A frame is due when at least 1/hz has passed since the last one AND the UI thread's
     CPU time since then (drawing the last frame, layout, input) is at most `max_share` of
-    the wall time since then. So cheap frames come at `hz`; with the default share, a
-    frame that cost 6 ms of CPU keeps the next one 6 / 0.03 = 200 ms away.
+    the wall time since then, and always once `max_gap` seconds have passed. So cheap
+    frames come at `hz`; with the default share, a frame that cost 6 ms of CPU keeps the
+    next one 6 / 0.03 = 200 ms away; a UI thread kept busy by other work still shows the
+    answer every `max_gap` seconds.
 
         p = FramePacer(hz=10, max_share=0.1)
         p.due(0.0, 0.0)   -> True   (the first frame)
@@ -79,17 +84,21 @@ class FramePacer:
         p.due(0.5, 0.05)  -> True   (50 ms in 500 ms: 10%)
     """
 
-    def __init__(self, hz: float = FRAME_HZ, max_share: float = MAX_UI_SHARE) -> None:
-        if hz <= 0 or not 0 < max_share <= 1:
-            raise ValueError(f"frame rate must be > 0 and the UI share in (0, 1], got {hz} and {max_share}")
+    def __init__(self, hz: float = FRAME_HZ, max_share: float = MAX_UI_SHARE, max_gap: float = MAX_FRAME_GAP_S) -> None:
+        if hz <= 0 or not 0 < max_share <= 1 or max_gap < 1.0 / hz:
+            raise ValueError(f"frame rate must be > 0, the UI share in (0, 1] and the longest gap at least"
+                             f" one frame, got {hz}, {max_share} and {max_gap}")
         self.interval = 1.0 / hz
         self.max_share = max_share
+        self.max_gap = max_gap
         self._last: tuple[float, float] | None = None  # (wall, UI CPU) when the last frame was drawn
 
     def due(self, wall: float, cpu: float) -> bool:
         if self._last is None:
             return True
         elapsed = wall - self._last[0]
+        if elapsed >= self.max_gap:
+            return True
         return elapsed >= self.interval and cpu - self._last[1] <= self.max_share * elapsed
 
     def drawn(self, wall: float, cpu: float) -> None:
