@@ -12,8 +12,18 @@ and test_generation.py::test_two_generations_stepped_together_match_solo catch i
 
 `kv_cache_type` q8_0 / q4_0 stores K and V in llama.cpp's block quantizations (34 or 18
 bytes per 32 values instead of 64). llama.cpp attends over a quantized V only inside its
-flash-attention kernel, so flash attention is switched on for those rather than left to
-llama.cpp's automatic choice.
+flash-attention kernel, so flash attention is switched on for those.
+
+With an f16 cache on the CPU, flash attention is switched off (`flash_attention_choice`):
+llama.cpp's automatic choice turns it on wherever the device has the kernel, and its CPU
+kernel is the slower path there, the more so the longer the context and the wider the
+step. Measured with llama-bench at one thread on this project's CPU (tok/s, off / on):
+SmolLM2-135M one token at depth 650 49 / 33 and at 2000 35 / 16, 49 tokens at depth 650
+161 / 55; Qwen2.5-0.5B 14.1 / 11.2 and 89 / 38; Gemma-3-270M (head size 256,
+sliding-window layers) 26.1 / 27.0 and 272 / 254. Without it llama.cpp keeps the
+attention scores of a micro-batch (n_ubatch x context x heads floats), so it stays on
+when those would pass `CPU_SCORES_MAX_BYTES`. On a GPU llama.cpp's choice stands.
+`LOCALRUN_FLASH_ATTN=on|off|auto` overrides all of this.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from localrun.formats import file_type_name
 from localrun.hardware import OthersLoad, fitted_threads
 
 from . import check_kv_cache_type
+from .attention import attention_scores_bytes, flash_attention_choice
 from .base import DEFAULT_N_BATCH, BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
 
 try:
@@ -75,15 +86,16 @@ def init_llama() -> None:
     _BACKEND_READY = True
 
 
-def _set_kv_cache_type(cparams, kv_cache_type: str) -> None:
+def _set_attention(cparams, kv_cache_type: str, flash_attn: str) -> None:
     cparams.type_k = cparams.type_v = _GGML_KV_TYPES[kv_cache_type]
-    if kv_cache_type == "f16":
-        return  # llama.cpp's automatic flash-attention choice, as before
+    if flash_attn == "auto":
+        return  # llama.cpp's own choice (its default)
     # Older llama-cpp-python releases have a bool `flash_attn`; newer ones a tri-state type.
     if hasattr(cparams, "flash_attn_type"):
-        cparams.flash_attn_type = _lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.flash_attn_type = (_lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn == "on"
+                                   else _lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     else:
-        cparams.flash_attn = True
+        cparams.flash_attn = flash_attn == "on"
 
 
 REFIT_THREADS_S = 1.0  # how often decoding re-reads the load (~0.1 ms a reading)
@@ -140,7 +152,12 @@ class LlamaCppBackend:
         cparams.n_threads_batch = threads
         cparams.kv_unified = False  # see the module docstring
         cparams.no_perf = True
-        _set_kv_cache_type(cparams, self.kv_cache_type)
+        # This machine's devices decide, for RPC workers too (llama.cpp cannot say what a
+        # worker computes on): a split model then attends, and answers, as it does here.
+        on_cpu = n_gpu_layers == 0 or not rpc.local_gpus()
+        scores = attention_scores_bytes(self.n_batch, self.n_ctx * self.n_seq, _lc.llama_model_n_head(model))
+        self.flash_attn = flash_attention_choice(self.kv_cache_type, on_cpu, scores)
+        _set_attention(cparams, self.kv_cache_type, self.flash_attn)
         ctx = _lc.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()

@@ -3,7 +3,8 @@
 Measuring the drift costs the first speculative steps their speed (each is decoded
 again one row at a time), which a one-shot `localrun run` would pay on every answer.
 The drift is a property of the model file and of the kernels that run it, so it is
-kept per (backend, its version, KV cache type, the model's real path, size and mtime)
+kept per (backend, its version, KV cache type, flash attention on or off, the model's real
+path, size and mtime)
 in `batch-drift.json` in the data folder. A cache that cannot be read or written only
 means measuring again: it never stops an answer.
 """
@@ -47,7 +48,8 @@ def drift_key(backend) -> str | None:
     except OSError:
         return None
     kv = getattr(backend, "kv_cache_type", None) or "f16"
-    return f"{info.backend}|{_version(info.backend)}|kv={kv}|{real}|{st.st_size}|{st.st_mtime_ns}"
+    fa = getattr(backend, "flash_attn", None) or "-"  # another attention kernel drifts otherwise
+    return f"{info.backend}|{_version(info.backend)}|kv={kv}|fa={fa}|{real}|{st.st_size}|{st.st_mtime_ns}"
 
 
 def _path() -> Path:

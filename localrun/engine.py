@@ -291,7 +291,13 @@ class Engine:
             if budget <= 0:
                 break
             draft = self._draft(g, budget - 1) if g.decoding and g.max_tokens else []
-            chunk = g.pending[:budget] + draft
+            pending = g.pending
+            if not g.decoding and g.max_tokens:
+                # The prompt's last token is read alone, as it is when a cached prefix covers
+                # the rest: a row can depend on the batch's shape (kernels), and the first
+                # token must not depend on whether the prompt was cached.
+                pending = pending[:-1]
+            chunk = pending[:budget] + draft
             last = len(chunk) == len(g.pending) + len(draft)
             # max_tokens 0 reads the prompt into the slot and stops: no logits needed
             wants = 1 + len(draft) if last and g.max_tokens else 0

@@ -30,6 +30,7 @@ from localrun.errors import BadRequestError, LocalrunError
 from localrun.hardware import GIB, Hardware, format_bytes, probe
 from localrun.backends.base import DEFAULT_N_BATCH
 from localrun.formats import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
+from localrun.backends.attention import attention_scores_bytes, flash_attention_choice
 
 MIB = 1 << 20
 # The llama.cpp backend's micro-batch: n_ubatch = n_batch, by default DEFAULT_N_BATCH (what
@@ -68,6 +69,7 @@ class ModelShape:
     layer_share: tuple[float, ...]  # each block's share of the weight bytes
     backend: str  # "llama.cpp" | "mlx"
     repack_share: float = 0.0  # share of the weight bytes the CPU backend copies into repacked form
+    n_head: int = 0  # query heads (the attention scores without flash attention)
 
 
 def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
@@ -107,7 +109,7 @@ def _shape(f, layer_share: tuple[float, ...], backend: str, repack_share: float 
     stand in where a file does not say."""
     return ModelShape(f.architecture, f.n_layer, f.context_length or 4096, f.n_embd, f.n_ff or 4 * f.n_embd,
                       f.n_vocab, f.kv_heads, f.head_dim, f.head_dim_v, f.swa_layers, f.sliding_window,
-                      layer_share, backend, repack_share)
+                      layer_share, backend, repack_share, f.n_head)
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,6 +178,16 @@ def compute_bytes(shape: ModelShape, n_ctx: int, on_gpu: bool) -> int:
     masks = (2 if any(shape.swa) else 1) * n_ctx * N_UBATCH * 2
     logits_rows = N_UBATCH if on_gpu else 8
     return int(activations + masks + logits_rows * shape.n_vocab * 4)
+
+
+def cpu_scores_bytes(shape: ModelShape, n_ctx: int, kv_type: str, n_seq: int, budget: "Budget") -> int:
+    """The attention scores of one micro-batch, which llama.cpp keeps when flash attention
+    is off: the llama.cpp backend turns it off for an f16 cache on a machine without a GPU
+    (backends/llamacpp.py says why)."""
+    if shape.backend != "llama.cpp" or budget.vram > 0:
+        return 0
+    scores = attention_scores_bytes(N_UBATCH, n_ctx * n_seq, shape.n_head)
+    return scores if flash_attention_choice(kv_type, on_cpu=True, score_bytes=scores) == "off" else 0
 
 
 @dataclass(frozen=True)
@@ -253,7 +265,7 @@ def estimate(shape: ModelShape, weights: int, n_ctx: int, budget: Budget, kv_typ
         overhead += shape.n_vocab * VOCAB_BYTES_PER_TOKEN
     base = dict(quant=quant, n_ctx=n_ctx, kv_type=kv_type, weights=weights, kv=kv, overhead=overhead,
                 n_layer=shape.n_layer)
-    cpu_buffers = compute_bytes(shape, n_ctx, on_gpu=False)
+    cpu_buffers = compute_bytes(shape, n_ctx, on_gpu=False) + cpu_scores_bytes(shape, n_ctx, kv_type, n_seq, budget)
     if budget.repack:
         cpu_buffers += int(weights * shape.repack_share)
     cpu_total = weights + kv + cpu_buffers + overhead

@@ -11,7 +11,9 @@ Plain localrun rows run with prompt-lookup speculation off (the peers have none)
 n-prompt tokens of KV, as every other engine here does, instead of from an empty cache.
 
 GGUF rows: localrun's llama.cpp backend, native `llama-bench` built from the same llama.cpp
-source (scripts/build_llama_bench.sh), and llama-cpp-python's high-level `Llama`.
+source (scripts/build_llama_bench.sh), and llama-cpp-python's high-level `Llama`; both
+attend with the flash-attention setting localrun's backend chose (backends/attention.py),
+so that a ratio compares engines, not attention kernels.
 MLX rows: localrun's MLX backend and `mlx_lm.stream_generate`.
 
 Every engine runs in its own process (scripts/bench_peers.py) and is fed the same token
@@ -91,9 +93,9 @@ def run_worker(engine: str, job: dict) -> dict:
 
 
 def run_native(exe: Path, model: Path, threads: int, n_prompt: int, n_gen: int, repeat: int,
-               depth: bool = False) -> dict:
+               depth: bool = False, flash_attn: str = "auto") -> dict:
     cmd = [str(exe), "-m", str(model), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
-           "-r", str(repeat), "-o", "json"]
+           "-r", str(repeat), "-fa", flash_attn, "-o", "json"]
     # llama-bench decodes from an empty cache; the other engines decode after the prompt.
     # With depth, tg also runs at depth n_prompt and that is the row's decode number.
     if depth:
@@ -166,7 +168,8 @@ def bench_model(model: Path, a: argparse.Namespace) -> list[dict]:
             print(f"  {model.name}: round {rnd + 1}/{a.repeat} {eng} ...", file=sys.stderr, flush=True)
             t0 = time.monotonic()
             if eng == "llama-bench":
-                res = run_native(a.llama_bench, model, a.threads, n_prompt, n_gen, 1, a.native_depth)
+                res = run_native(a.llama_bench, model, a.threads, n_prompt, n_gen, 1, a.native_depth,
+                                 job.get("flash_attn", "auto"))
             else:
                 worker = WORKER_OF[eng.split("+")[0]]
                 res = run_worker(worker, {**job, "prompts": [pr["prompts"][rnd]],
@@ -176,6 +179,8 @@ def bench_model(model: Path, a: argparse.Namespace) -> list[dict]:
                 print(f"    error: {res['error']}", file=sys.stderr)
                 got[eng]["error"] = res["error"]
                 continue
+            if "flash_attn" in res:  # localrun runs first in a round: the peers attend as it chose
+                job["flash_attn"] = res["flash_attn"]
             got[eng]["runs"] += res.pop("runs")
             got[eng].update(res)  # cmd / raw / version: the last round's
     rows = [{**base, "engine": eng, **summarize(got[eng])} for eng in engines]

@@ -8,7 +8,8 @@ native llama-server's own n-gram speculation and llama-cpp-python's
     python scripts/bench_lookup.py --identity-only    # only: same text with lookup on and off?
     python scripts/bench_lookup.py --models gemma qwen --engines lr_lookup lr_plain ls_simple ls_plain
 
-Engines (all greedy: temperature 0, top_k 1, the same threads, flash attention, n_ctx):
+Engines (all greedy: temperature 0, top_k 1, the same threads, n_ctx, and flash attention
+as localrun's backend chose it for this machine and cache, see backends/attention.py):
   lr_lookup / lr_plain      localrun's Engine with lookup on / off
   ls_simple / ls_mod / ls_plain
                             llama-server (scripts/build_llama_bench.sh builds it from the
@@ -69,9 +70,10 @@ def llama_server_path(explicit: str | None) -> Path:
 class LlamaServer:
     """One native llama-server process on a free localhost port, restartable."""
 
-    def __init__(self, binary: str, model: str, threads: int, n_ctx: int, spec: list[str], log: Path):
+    def __init__(self, binary: str, model: str, threads: int, n_ctx: int, flash_attn: str, spec: list[str],
+                 log: Path):
         self.cmd = [binary, "-m", model, "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
-                    "-c", str(n_ctx), "-np", "1", "-fa", "on", "--cache-ram", "0", "--no-webui", *spec]
+                    "-c", str(n_ctx), "-np", "1", "-fa", flash_attn, "--cache-ram", "0", "--no-webui", *spec]
         self.log, self.proc, self.url = log, None, ""
 
     def start(self) -> None:
@@ -139,6 +141,7 @@ def make_engines(job, eng, stops, servers, log_dir):
     """engine name -> run(prompt, n_max, timed) -> {"tokens", "decode_tps", ...}."""
     from localrun.sampling import SamplingParams
     greedy = SamplingParams(temperature=0.0)
+    flash_attn = eng.backend.flash_attn  # "on" / "off" / "auto": every engine attends the same way
 
     def localrun(lookup):
         def run(prompt, n_max, timed=True):
@@ -150,8 +153,8 @@ def make_engines(job, eng, stops, servers, log_dir):
         return run
 
     def llama_server(name):
-        srv = LlamaServer(job["server"], job["model"], job["threads"], job["n_ctx"], SERVER_SPEC[name],
-                          log_dir / f"{name}.log")
+        srv = LlamaServer(job["server"], job["model"], job["threads"], job["n_ctx"], flash_attn,
+                          SERVER_SPEC[name], log_dir / f"{name}.log")
         servers.append(srv)
         srv.start()
 
@@ -174,7 +177,7 @@ def make_engines(job, eng, stops, servers, log_dir):
         # prompt longer than n_batch overflows it ("could not broadcast ... into shape (0,)").
         # The plain baseline keeps logits_all off: storing every row would slow it down.
         llm = Llama(job["model"], n_ctx=job["n_ctx"], n_threads=job["threads"], n_threads_batch=job["threads"],
-                    flash_attn=True, draft_model=draft, logits_all=draft is not None, verbose=False)
+                    flash_attn=flash_attn != "off", draft_model=draft, logits_all=draft is not None, verbose=False)
 
         def run(prompt, n_max, timed=True):
             llm.reset()  # no prefix reuse from the previous run: every run prefills in full

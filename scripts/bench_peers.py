@@ -91,9 +91,11 @@ def work_localrun(job: dict) -> dict:
                 "finish_reason": res.finish_reason,
                 **{k: getattr(t, k) for k in ("steps", "drafted", "accepted") if hasattr(t, k)},
             })
+        # the peers are told to attend the same way (scripts/bench.py passes it on)
+        flash_attn = getattr(eng.backend, "flash_attn", None)
     finally:
         eng.close()
-    return {"runs": runs}
+    return {"runs": runs, **({"flash_attn": flash_attn} if flash_attn else {})}
 
 
 # -- llama-cpp-python high-level Llama -------------------------------------------------
@@ -107,6 +109,8 @@ def work_llama_cpp(job: dict) -> dict:
         n_threads=job["threads"], n_threads_batch=job["threads"],
         # llama-bench's defaults, so that a prefill is split the same way everywhere
         n_batch=2048, n_ubatch=512, verbose=False,
+        # the attention kernel localrun chose; this class has no "auto", only on and off
+        flash_attn=job.get("flash_attn") == "on",
     )
 
     def one(prompt: list[int], n_gen: int) -> dict:

@@ -96,10 +96,21 @@ def test_generation_is_capped_by_the_context():
 def test_long_prompt_is_prefilled_in_chunks_of_n_batch():
     be = ScriptedBackend(text_script(b"k"), n_ctx=128, n_batch=16)
     eng = Engine(be)
-    collect(eng, "p" * 40)
+    collect(eng, "p" * 40, lookup=False)
     sizes = [sum(len(e.tokens) for e in call) for call in be.calls]
-    assert sizes[:3] == [16, 16, 8]
-    assert [e.n_logits for call in be.calls[:3] for e in call] == [0, 0, 1]
+    # the prompt's last token is read alone (its row then never depends on the batch shape)
+    assert sizes[:4] == [16, 16, 7, 1]
+    assert [e.n_logits for call in be.calls[:4] for e in call] == [0, 0, 0, 1]
+
+
+def test_the_first_token_comes_from_a_one_row_step_cached_prefix_or_not():
+    be = ScriptedBackend(text_script(b"k"), n_ctx=128, n_batch=64)
+    eng = Engine(be)
+    for _ in range(2):  # the second run finds the prompt cached
+        be.calls.clear()
+        collect(eng, "q" * 30, max_tokens=2, lookup=False)
+        first_logits = next(e for call in be.calls for e in call if e.n_logits)
+        assert len(first_logits.tokens) == 1 and first_logits.n_logits == 1
 
 
 def test_two_generations_share_one_decode_per_step():
@@ -112,7 +123,7 @@ def test_two_generations_share_one_decode_per_step():
     while not (g1.done and g2.done):
         eng.step([g1, g2])
         steps += 1
-    assert steps == 4  # prefill+a, b, c, eos: both in every call
+    assert steps == 5  # prefill, the prompt's last token+a, b, c, eos: both in every call
     assert all(len(call) == 2 for call in be.calls)
     assert eng.detokenize(g1.output) == "abc"
 

@@ -85,7 +85,7 @@ def test_llama_q8_0_greedy_matches_f16_and_halves_the_cache(llama_engine, llama_
 
 
 def test_llama_q8_0_two_sequences_in_one_decode_match_solo(llama_q8):
-    # A quantized cache switches flash attention on: two sequences decoded in one batch
+    # A quantized cache needs flash attention on: two sequences decoded in one batch
     # must still each see only their own keys.
     b = llama_q8.backend
     a, c = b.tokenize("Hello there, my friend"), b.tokenize("Numbers: 1, 2, 3, 4")

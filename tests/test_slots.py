@@ -84,7 +84,7 @@ def test_a_cached_prompt_is_copied_next_to_the_busy_slot():
     assert gen.seq == 1 and gen.timings.cached_tokens == len(prompt) - 1
     assert backend.kv[3] == prompt  # the copy leaves the source for a later prompt
     eng.step([busy, gen])
-    assert sorted((e.seq, e.pos, len(e.tokens)) for e in backend.calls[-1]) == [(0, 0, 2), (1, len(prompt) - 1, 1)]
+    assert sorted((e.seq, e.pos, len(e.tokens)) for e in backend.calls[-1]) == [(0, 0, 1), (1, len(prompt) - 1, 1)]
     # without the neighbour rule the request takes slot 3 itself
     eng = Engine(ScriptedBackend(history_script, n_seq=4, n_ctx=128))
     eng.start([65, 66], sampling=GREEDY, max_tokens=50)
@@ -101,7 +101,8 @@ def test_scripted_eos_still_ends_a_moved_generation():
     a = eng.start([65, 66, 67], sampling=GREEDY, max_tokens=40)
     b = eng.start([70, 71], sampling=GREEDY, max_tokens=1)
     c = eng.start([80, 81, 82], sampling=GREEDY, max_tokens=40)
-    eng.step([a, b, c])
+    eng.step([a, b, c])  # the prompts but their last tokens
+    eng.step([a, b, c])  # those, and the first tokens
     assert b.done
     eng.release(b)
     while not (a.done and c.done):
