@@ -49,7 +49,9 @@ def _open_localrun(job: dict):
         sys.path.insert(0, str(repo))
     from localrun.engine import Engine
 
-    return Engine.open(job["model"], n_ctx=job["n_ctx"], threads=job["threads"])
+    # MLX sizes its own thread pool and refuses a thread count (mlx_lm gets none either)
+    threads = None if Path(job["model"]).is_dir() else job["threads"]
+    return Engine.open(job["model"], n_ctx=job["n_ctx"], threads=threads)
 
 
 def work_tokens(job: dict) -> dict:

@@ -44,15 +44,16 @@ SCHEMA = {"type": "array", "minItems": 12, "items": {"type": "object", "properti
 PROMPT = "List many cities of the world with their population, as JSON."
 
 
-def llama_bench_tg(model: Path, threads: int, n_gen: int, depth: int) -> float | None:
-    """llama-bench's decode tok/s of n_gen tokens after `depth` tokens of context (one run)."""
+def llama_bench_tg(model: Path, threads: int, n_gen: int, depth: int, flash_attn: str) -> float | None:
+    """llama-bench's decode tok/s of n_gen tokens after `depth` tokens of context (one run),
+    attending as localrun's backend chose to."""
     import llama_cpp
 
     exe = TOOLS / f"llama.cpp-{llama_cpp.__version__}" / "build" / "bin" / "llama-bench"
     if not exe.exists():
         return None
     out = subprocess.run([str(exe), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(n_gen), "-d", str(depth),
-                          "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
+                          "-fa", flash_attn, "-r", "1", "-o", "json"], capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -80,7 +81,7 @@ def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
         for kw in settings.values():  # warm-up; builds the grammar's vocabulary table once
             eng.complete(prompt, max_tokens=8, lookup=False, **kw)
         for _ in range(repeat):
-            native = llama_bench_tg(path, threads, n_gen, depth)
+            native = llama_bench_tg(path, threads, n_gen, depth, eng.backend.flash_attn)
             if native is not None:
                 runs["llama_bench_tg"].append(native)
             for name, kw in settings.items():
