@@ -111,8 +111,9 @@ def work_llama_cpp(job: dict) -> dict:
         n_threads=job["threads"], n_threads_batch=job["threads"],
         # llama-bench's defaults, so that a prefill is split the same way everywhere
         n_batch=2048, n_ubatch=512, verbose=False,
-        # the attention kernel localrun chose; this class has no "auto", only on and off
-        flash_attn=job.get("flash_attn") == "on",
+        # the attention kernel localrun chose; this class has no "auto", which llama.cpp
+        # resolves to on wherever the device has the kernel
+        flash_attn=job.get("flash_attn", "auto") != "off",
     )
 
     def one(prompt: list[int], n_gen: int) -> dict:
