@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from localrun.backends.attention import FLASH_ATTN_ENV
 from serving import Server
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is a test extra")
@@ -50,7 +51,7 @@ def test_ten_streaming_clients_over_four_slots(smollm2_gguf):
     # together (test_generation.py's batch_invariant), so a streamed answer that differs from
     # the one answered alone is cross-talk between slots, not rounding.
     srv = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "4", "--queue", "16",
-                 env={"LOCALRUN_FLASH_ATTN": "on"})
+                 env={FLASH_ATTN_ENV: "on"})
     try:
         with httpx.Client(timeout=120) as c:
             reference = {}
