@@ -1,0 +1,74 @@
+"""How far a wide step's rows stray from the same rows decoded one at a time, on one
+GGUF model as localrun's llama.cpp backend runs it (the number behind speculative.BatchDrift).
+
+For each of a few grounded prompts (scripts/lookup_tasks.py, raw): 64 greedy tokens are
+decoded one row at a time, then the same tokens again in steps of --width rows. Prints
+the largest change of a top-two margin, the largest logit difference and how many
+argmaxes flipped. 0 / 0 / 0 means wide rows are bit-identical to one-row rows (lookup
+then changes nothing at temperature 0).
+
+    .venv/bin/python scripts/batch_drift.py MODEL.gguf [--width 16] [--tokens 64]
+    LOCALRUN_FLASH_ATTN=on|off ...          # the attention kernel
+    LLAMA_CPP_LIB_PATH=/build/bin ...       # another llama.cpp build (same version), e.g.
+                                            # one configured with -DGGML_LLAMAFILE=OFF
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from backends.base import BatchEntry  # noqa: E402
+from backends.llamacpp import LlamaCppBackend  # noqa: E402
+from lookup_tasks import prompt_texts  # noqa: E402
+
+PREFILL_CHUNK = 256
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--width", type=int, default=16, help="rows per wide step")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    be = LlamaCppBackend(a.model, n_ctx=2048, threads=a.threads)
+    worst_margin = worst_logit = 0.0
+    flips = 0
+    for text in list(prompt_texts(False).values())[: a.prompts]:
+        toks = be.tokenize(text, add_special=True)
+        be.kv_clear(0)
+        base = len(toks) - 1
+        for c in range(0, base, PREFILL_CHUNK):
+            be.decode([BatchEntry(0, toks[c : min(c + PREFILL_CHUNK, base)], c, 0)])
+        fed, alone = [toks[-1]], []
+        for j in range(a.tokens):
+            row = np.array(be.decode([BatchEntry(0, [fed[-1]], base + j, 1)])[0][0])
+            alone.append(row)
+            fed.append(int(np.argmax(row)))
+        be.kv_trim(0, base)
+        wide = []
+        for s in range(0, a.tokens, a.width):
+            chunk = fed[s : s + a.width]
+            wide.extend(np.array(r) for r in be.decode([BatchEntry(0, chunk, base + s, len(chunk))])[0])
+        for one, w in zip(alone, wide):
+            two = np.argpartition(one, -2)[-2:]
+            change = abs(float((w[two[1]] - w[two[0]]) - (one[two[1]] - one[two[0]])))
+            worst_margin = max(worst_margin, change)
+            worst_logit = max(worst_logit, float(np.abs(w - one).max()))
+            flips += int(np.argmax(w) != np.argmax(one))
+    be.close()
+    print(f"{os.path.basename(a.model)} flash_attn={be.flash_attn} width={a.width}: margin drift"
+          f" {worst_margin:.4f}, max logit diff {worst_logit:.4f}, argmax flips {flips}")
+
+
+if __name__ == "__main__":
+    main()
