@@ -31,7 +31,7 @@ from .generation import Completion, Event, Generation, Timings
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
-from .speculative import Acceptance, DraftController, StepCost
+from .speculative import Acceptance, DraftController, StepCost, margin_change
 from .textstream import StopMatcher
 from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
 from .tools.model import ModelTools
@@ -358,7 +358,9 @@ class Engine:
                 g.forgot()
         if not events:
             return None
-        g.stepped(len(draft), kept, kept if unsure else len(draft))
+        # a row left to a one-row step costs what a rejection there would (the rows after it
+        # are thrown away), so the draft's judge counts it as one
+        g.stepped(len(draft), kept, min(kept + 1, len(draft)) if unsure else len(draft))
         return Event.joined(events)
 
     @staticmethod
@@ -382,9 +384,7 @@ class Engine:
             alone = []
             for j, token in enumerate([g.history[base]] + draft):
                 row = np.array(self.backend.decode([BatchEntry(g.seq, [token], base + j, 1)])[0][0])
-                two = np.argpartition(row, -2)[-2:]
-                wide = wide_rows[j]
-                self.drift.observe(abs(float((wide[two[1]] - wide[two[0]]) - (row[two[1]] - row[two[0]]))))
+                self.drift.observe(margin_change(wide_rows[j], row))
                 alone.append(row)
             if not self.drift.calibrating:
                 drift_cache.remember(self.backend, self.drift)

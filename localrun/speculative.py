@@ -24,18 +24,27 @@ p(y) / (1 - p(x)): p with x removed, renormalised. Every emitted position consum
 RNG exactly as a plain step does.
 
 **Temperature 0.** A row computed in a wide step is not always bit-identical to the
-same row computed alone (llama.cpp picks other kernels for other batch shapes; on this
-project's CPU, with flash attention off, top-two margins moved by up to 0.64 on
-Gemma-3 and 0.32 on SmolLM2; with it on, 0.42 and 0).
-`BatchDrift` measures that on the first speculative steps of a model (by recomputing
-them one row at a time, which also decides those tokens exactly), and from then on a
-greedy token is taken from a wide step only where it leads the runner-up by more than
-the measured drift; otherwise the step stops there and a one-row step decides.
+same row computed alone: llama.cpp's CPU backend multiplies a many-row batch with other
+kernels than one row (llamafile's sgemm for F16/Q8_0/Q4_0 weights and the F16 KV cache,
+a tiled kernel for K-quants from 8 rows, the repacked weights' gemm from 4 rows). On this
+project's 2-core AVX2 CPU with flash attention off, top-two margins moved by up to ~0.8
+on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/batch_drift.py). Without all three
+(a -DGGML_LLAMAFILE=OFF build, GGML_CPU_TILED_MM=0, no repacking) rows are bit-identical,
+but prompt reading gets 1.1x (Q4_1) to 2.1x (K-quants) slower and a wide step 1.6-1.9x
+dearer, so localrun keeps the fast kernels and bounds their effect instead:
+`BatchDrift` measures the drift on the first speculative steps of a model (by
+recomputing them one row at a time, which also decides those tokens exactly), and from
+then on a greedy token is taken from a wide step only where it leads the runner-up by
+more than a margin over the measured drift; otherwise the step stops there and a
+one-row step decides (the draft's judge counts that stop as a rejection: the rows after
+it are lost all the same).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 # Match-length bands (upper bounds, inclusive) and the acceptance each starts from before
 # any draft of this generation was judged: longer agreement with an earlier span makes
@@ -172,6 +181,7 @@ class Acceptance:
         self.prior = prior
         self._hits = [0.0] * len(BANDS)
         self._trials = [0.0] * len(BANDS)
+        self._prior_rested: set[int] = set()
 
     def rate(self, band: int) -> float:
         start = self.prior.rate(band) if self.prior is not None else PRIOR_RATE[band]
@@ -186,9 +196,16 @@ class Acceptance:
             self.prior.judged(band, drafted, accepted)
 
     def rest(self, band: int) -> None:
-        """Halve a band's own evidence, so that its prior carries a later try."""
+        """Halve a band's own evidence, so that its prior carries a later try; the first
+        time in a generation, the prior's as well: a band nobody drafts in gathers no
+        evidence, and bad answers would otherwise end drafting in that band for every
+        later request to the model. (Only once: within one answer, what it just saw
+        should keep a band that does not pay quiet.)"""
         self._hits[band] *= 0.5
         self._trials[band] *= 0.5
+        if self.prior is not None and band not in self._prior_rested:
+            self._prior_rested.add(band)
+            self.prior.rest(band)
 
 
 class DraftController:
@@ -253,6 +270,13 @@ class DraftController:
         self.band = -1
 
 
+def margin_change(wide, alone) -> float:
+    """How much the lead of a one-row step's top token over its runner-up changed when the
+    same row was computed in a wide step (0: the choice between them is as sure)."""
+    two = np.argpartition(alone, -2)[-2:]
+    return abs(float((wide[two[1]] - wide[two[0]]) - (alone[two[1]] - alone[two[0]])))
+
+
 class BatchDrift:
     """How far a wide step's rows may stray from one-row steps' on this model: the
     largest change of a top-two margin seen over the first `SAMPLE_ROWS` rows that were
@@ -260,7 +284,13 @@ class BatchDrift:
     time (`calibrating`)."""
 
     SAMPLE_ROWS = 48
-    SAFETY = 2.5  # a sample maximum understates the true one, and accepted drafts keep wide-step KV
+    # A 48-row maximum understates the true one, so the margin is a multiple of it. 1.5
+    # covers every row of scripts/batch_drift.py (4 prompts x 64 tokens, 16-row steps) on
+    # the three test models, and it kept as many of 36 answers identical as 2.5 did
+    # (32 vs 29, bench_lookup.py --identity-only --threads 1), while 2.5 left so many
+    # copied rows to one-row steps that Gemma-3's two code edits decoded at 80 and 63
+    # tok/s against 92 and 114 with 1.5 (bench_lookup.py --threads 1).
+    SAFETY = 1.5
 
     def __init__(self) -> None:
         self.rows = 0

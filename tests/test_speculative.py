@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from localrun import speculative
 from localrun.engine import Engine
 from localrun.sampling import SamplingParams
 from localrun.speculative import Acceptance, BatchDrift, DraftController, LookupConfig, NgramIndex, StepCost, propose
@@ -199,6 +200,23 @@ def test_greedy_is_identical_when_wide_rows_drift():
     assert unruled.tokens != off.tokens
 
 
+def test_a_row_left_to_a_one_row_step_counts_against_the_draft():
+    """Rows after a row too close to call are thrown away, as after a rejection: drafting
+    must learn that, or it keeps drafting long where every draft stops early."""
+    be = DriftingBackend(logits_fn=near_tie_logits, n_ctx=512)
+    eng = Engine(be)
+    verdicts = []
+    judged = eng.acceptance.judged
+    eng.acceptance.judged = lambda band, drafted, accepted: (verdicts.append((drafted, accepted)),
+                                                             judged(band, drafted, accepted))
+    out = eng.complete("abcabcab", sampling=GREEDY, max_tokens=150,
+                       lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2))
+    assert "x" not in out.text and not eng.drift.calibrating
+    # no draft token here differs from the greedy one, yet the stops count as rejections
+    assert any(accepted < drafted for drafted, accepted in verdicts)
+    assert all(accepted == drafted or accepted + 1 == drafted for drafted, accepted in verdicts)
+
+
 def test_step_cost_is_measured_interpolated_and_extended():
     cost = StepCost()
     assert cost.ratio(5, 0.5) == pytest.approx(3.0)  # nothing measured: the prior
@@ -270,6 +288,21 @@ def test_a_new_generation_starts_from_what_the_models_drafts_did_lately():
         first.record(10, 10)
     assert len(DraftController(cfg, model=model).draft(h, 48)) > fresh_start
     assert len(DraftController(cfg).draft(h, 48)) == fresh_start  # another model's engine: its own prior
+
+
+def test_a_band_that_failed_for_the_model_is_tried_again_by_later_generations():
+    cfg = LookupConfig(cooldown_steps=3, measure_cost=False, cost_per_draft=0.25)
+    copy = list(range(100, 140))
+    h = copy + [1] + copy[:6]  # a 6-token match
+    model = Acceptance()
+    for _ in range(30):  # earlier answers whose drafts in this band were all rejected
+        model.judged(speculative._band(6), 4, 0)
+    def drafts_within(steps: int) -> bool:
+        later = DraftController(cfg, model=model)
+        return any(later.draft(h, 8) for _ in range(steps))
+
+    assert not drafts_within(40)  # the model's record speaks against the band...
+    assert any(drafts_within(40) for _ in range(5))  # ...for a few answers, not for ever
 
 
 def test_controller_lengthens_drafts_when_they_are_accepted():
