@@ -20,9 +20,11 @@ and prompt lookup setting, so they decode the same tokens; the script checks tha
 answers are the same text and the token counts are equal, and says so.
 
     python scripts/bench_chat_app.py [--model PATH] [--repeat 3] [--max-tokens 200]
-                                     [--threads N] [--driver tmux|pilot] [--busy]
+                                     [--threads N|fitted] [--driver tmux|pilot] [--busy]
 
---busy keeps one core spinning in another process during every run. Prints per-round
+--threads fitted passes no --threads to either side, so both fit their threads to the load
+as a user's `localrun chat` and `localrun run` do. --busy keeps one core spinning in
+another process during every run. Prints per-round
 tok/s, the medians, `app / cli = X.XX` (of the medians, and the median of each round's
 own ratio, which a load that changes between rounds disturbs less) and the load average.
 """
@@ -74,10 +76,26 @@ def loadavg() -> str:
         return f"{os.getloadavg()[0]:.2f}"
 
 
+FITTED = "fitted"
+
+
+def threads_arg(value: str) -> int | str:
+    if value == FITTED:
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a thread count or '{FITTED}', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("a thread count must be at least 1")
+    return n
+
+
 def flags(args) -> list[str]:
     """The settings both sides share, as command-line flags."""
-    out = [str(args.model), "--temperature", "0", "--max-tokens", str(args.max_tokens),
-           "--threads", str(args.threads), "--ctx", str(args.ctx)]
+    out = [str(args.model), "--temperature", "0", "--max-tokens", str(args.max_tokens), "--ctx", str(args.ctx)]
+    if args.threads != FITTED:
+        out += ["--threads", str(args.threads)]
     return out if args.lookup else out + ["--no-lookup"]
 
 
@@ -181,7 +199,8 @@ def run_app_pilot(args, tmp: Path) -> Run:
     from localrun.tui.settings import settings_from_args
 
     parsed = build_parser().parse_args(["chat", *flags(args)])
-    app = ChatApp(ChatSession(n_ctx=args.ctx, threads=args.threads), settings_from_args(parsed),
+    threads = None if args.threads == FITTED else args.threads
+    app = ChatApp(ChatSession(n_ctx=args.ctx, threads=threads), settings_from_args(parsed),
                   ConversationStore.open(), resolve(str(args.model)))
 
     async def drive() -> Run:
@@ -211,7 +230,9 @@ def main() -> int:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a GGUF file (default: SmolLM2-135M Q4_1)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--threads", type=int, default=None, help="both sides (default: physical cores)")
+    p.add_argument("--threads", type=threads_arg, default=None,
+                   help=f"both sides: N, or '{FITTED}' (no --threads: each fits its threads to the load,"
+                        " as a user's does; default: physical cores)")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--question", default=QUESTION)
     p.add_argument("--no-lookup", dest="lookup", action="store_false", help="prompt lookup off on both sides")
