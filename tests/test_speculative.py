@@ -297,7 +297,6 @@ def test_a_band_that_failed_for_the_model_is_tried_again_by_later_generations():
     model = Acceptance()
     for _ in range(30):  # earlier answers whose drafts in this band were all rejected
         model.judged(speculative._band(6), 4, 0)
-
     def drafts_within(steps: int) -> bool:
         later = DraftController(cfg, model=model)
         return any(later.draft(h, 8) for _ in range(steps))
