@@ -16,6 +16,13 @@ maximises expected tokens per unit of step time; when no length pays by a margin
 step is a plain one. These estimates change how many tokens a step verifies, never
 which tokens come out.
 
+**Evidence for free.** A plain step taken where a match existed still tests the lookup:
+the controller keeps what it would have drafted (a shadow draft) and judges it against
+the tokens the plain steps then produce, at no cost. So a band that stopped paying comes
+back as soon as the answer starts copying again, and one whose drafts keep failing (an
+open-ended chat after a session of code edits) stays quiet without paying for the
+failed wide steps that would otherwise be its only way to learn.
+
 **Verification** (in the engine) scores the pending token plus the k drafts in one
 backend step, then samples each row exactly as without speculation (same chain, same
 RNG draw) and keeps a draft while it equals the sampled token. A draft x is therefore
@@ -56,6 +63,9 @@ PRIOR_WEIGHT = 3.0  # the prior counts as this many judged tokens
 DECAY = 0.9  # per draft judged in a band: older evidence fades
 MAX_MATCH = 64  # how far a match is extended backwards (longer says nothing more)
 CANDIDATES = 8  # most recent occurrences of the pair examined per draft
+# A shadow draft is judged once this many plain steps agreed with it (or at the first that
+# did not): short, so that evidence for a band arrives within a few tokens.
+SHADOW_TOKENS = 4
 
 
 def _band(match: int) -> int:
@@ -126,7 +136,6 @@ class LookupConfig:
     # Apple Silicon a row costs far less.
     cost_per_draft: float = 0.25
     min_gain: float = 1.05  # draft only when it is expected to pay at least this much
-    cooldown_steps: int = 16  # plain steps after a draft that a band no longer pays for
     measure_cost: bool = True  # False keeps cost_per_draft (deterministic draft lengths)
 
 
@@ -173,39 +182,43 @@ class StepCost:
 
 class Acceptance:
     """Decayed accepted / judged draft tokens per match-length band. A band's rate starts
-    from its prior: `PRIOR_RATE`, or another Acceptance's current rate (a generation's
-    starts from what drafts of the same model did lately, so a session of code edits does
-    not ramp up from scratch on every request)."""
+    from `PRIOR_RATE`, or from another Acceptance's (the model's: what its drafts did
+    lately, over every answer), so that a session of code edits does not ramp up from
+    scratch on every request. That record lifts the start only while this answer's drafts
+    mostly pass: once half of them failed at their first token, it can only lower it. What
+    a code edit copied says little about the next request when that is a chat (there the
+    same short matches are chance), and failed wide steps are what lookup must not pay
+    for. Measured (scripts/bench_lookup.py's seven tasks in order, one process, 3-4 runs):
+    never lifting the start cost Gemma-3's code edits 15-20%; always lifting it made
+    SmolLM2's chats after the edits 0.83-0.90x lookup off."""
 
     def __init__(self, prior: "Acceptance | None" = None) -> None:
         self.prior = prior
         self._hits = [0.0] * len(BANDS)
         self._trials = [0.0] * len(BANDS)
-        self._prior_rested: set[int] = set()
+        self._verdicts = [0, 0]  # drafts judged in any band, and how many of them failed at once
 
     def rate(self, band: int) -> float:
-        start = self.prior.rate(band) if self.prior is not None else PRIOR_RATE[band]
+        start = PRIOR_RATE[band]
+        if self.prior is not None:
+            model = self.prior.rate(band)
+            start = model if self._copying() else min(start, model)
         return (self._hits[band] + start * PRIOR_WEIGHT) / (self._trials[band] + PRIOR_WEIGHT)
+
+    def _copying(self) -> bool:
+        """Whether this answer's drafts mostly passed so far (or none was judged yet)."""
+        judged, failed = self._verdicts
+        return judged < 2 or failed * 2 < judged
 
     def judged(self, band: int, drafted: int, accepted: int) -> None:
         """Tokens after the first rejection were never judged: the trials are the accepted
         ones plus that one rejection."""
         self._hits[band] = DECAY * self._hits[band] + accepted
         self._trials[band] = DECAY * self._trials[band] + accepted + (1 if accepted < drafted else 0)
+        self._verdicts[0] += 1
+        self._verdicts[1] += accepted == 0
         if self.prior is not None:
             self.prior.judged(band, drafted, accepted)
-
-    def rest(self, band: int) -> None:
-        """Halve a band's own evidence, so that its prior carries a later try; the first
-        time in a generation, the prior's as well: a band nobody drafts in gathers no
-        evidence, and bad answers would otherwise end drafting in that band for every
-        later request to the model. (Only once: within one answer, what it just saw
-        should keep a band that does not pay quiet.)"""
-        self._hits[band] *= 0.5
-        self._trials[band] *= 0.5
-        if self.prior is not None and band not in self._prior_rested:
-            self._prior_rested.add(band)
-            self.prior.rest(band)
 
 
 class DraftController:
@@ -219,8 +232,8 @@ class DraftController:
         self.cost = cost if cost is not None else StepCost()
         self.acceptance = Acceptance(prior=model)
         self.index = NgramIndex()
-        self._pause = [0] * len(BANDS)  # plain steps left before a band is tried again
         self.band = -1  # the band of the draft in flight
+        self._shadow: tuple[int, int, list[int]] | None = None  # band, history length, tokens
 
     def rate(self, band: int) -> float:
         return self.acceptance.rate(band)
@@ -234,20 +247,32 @@ class DraftController:
         """The tokens to verify after the pending one ([] for a plain step)."""
         if not self.cfg.enabled or room <= 0:
             return []
+        self._judge_shadow(history)
         candidate, match = self.index.find(history, min(room, self.cfg.max_draft))
         if match < self.cfg.min_match or not candidate:
             return []
         band = _band(match)
-        if self._pause[band] > 0:
-            self._pause[band] -= 1
-            return []
         k = self.best_length(self.rate(band), len(candidate))
-        if k == 0:  # rest the band; its old evidence weighs half when it is tried again
-            self._pause[band] = self.cfg.cooldown_steps
-            self.acceptance.rest(band)
+        if k == 0:
+            if self._shadow is None:
+                self._shadow = (band, len(history), candidate[:SHADOW_TOKENS])
             return []
+        self._shadow = None  # a real verdict comes now, over the same tokens
         self.band = band
         return candidate[:k]
+
+    def _judge_shadow(self, history: list[int]) -> None:
+        """Judge the shadow draft once the tokens produced since it decide it."""
+        if self._shadow is None:
+            return
+        band, start, tokens = self._shadow
+        produced = history[start : start + len(tokens)]
+        agreed = 0
+        while agreed < len(produced) and produced[agreed] == tokens[agreed]:
+            agreed += 1
+        if agreed == len(tokens) or agreed < len(produced):
+            self.acceptance.judged(band, len(tokens), agreed)
+            self._shadow = None
 
     def best_length(self, rate: float, available: int) -> int:
         """The k in 0..available that maximises expected tokens per step time, where

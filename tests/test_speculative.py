@@ -262,47 +262,76 @@ def test_longer_matches_draft_longer():
     assert c.draft(short_match, 16) == []  # a 2-token match does not pay at this cost
 
 
-def test_controller_rests_a_band_that_fails_and_tries_it_again():
-    c = DraftController(LookupConfig(cooldown_steps=3, measure_cost=False, cost_per_draft=0.25))
-    copy = list(range(100, 140))
-    h = copy + [1] + copy[:6]  # a 6-token match
+def test_a_band_that_stopped_paying_comes_back_when_plain_steps_copy_again():
+    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    copy = list(range(100, 200))
+    h = copy + [1] + copy[:20]  # a 20-token match: copying on keeps it in the longest band
     tries = 0
     while c.draft(h, 8):  # every draft in this band rejected at once...
         c.record(4, 0)
         tries += 1
-        assert tries < 10
-    assert tries >= 2  # ...until it stopped paying: the band rests (this step was plain)
-    assert [c.draft(h, 8) for _ in range(3)] == [[], [], []]  # cooldown_steps more
-    assert c.draft(h, 8)  # its evidence halved, the prior carries it to a new try
+        assert tries < 20
+    assert tries >= 2  # ...until it stopped paying: plain steps from here
+    assert [c.draft(h, 8) for _ in range(20)] == [[]] * 20  # nothing new to judge it by
+    steps = 0
+    while not c.draft(h, 8):  # the answer goes on copying, one plain step a token
+        h = h + [copy[len(h) - len(copy) - 1]]
+        steps += 1
+        assert steps < 30
+    assert steps >= 4  # a shadow draft is judged only once the tokens it named came
 
 
-def test_a_new_generation_starts_from_what_the_models_drafts_did_lately():
-    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.3)
+def test_shadow_drafts_that_the_answer_does_not_follow_keep_a_band_quiet():
+    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 200))
-    h = copy + [1] + copy[:20]  # a 20-token match
-    model = Acceptance()
-    first = DraftController(cfg, model=model)
-    fresh_start = len(first.draft(h, 48))
-    for _ in range(6):  # a code edit: every draft kept whole
-        first.draft(h, 48)
-        first.record(10, 10)
-    assert len(DraftController(cfg, model=model).draft(h, 48)) > fresh_start
-    assert len(DraftController(cfg).draft(h, 48)) == fresh_start  # another model's engine: its own prior
+    h = copy + [1] + copy[:20]
+    while c.draft(h, 8):
+        c.record(4, 0)
+    rate = c.rate(speculative._band(20))
+    for off in range(20):  # each step the answer leaves the match it was about to copy...
+        assert c.draft(h, 8) == []
+        h = h + [500 + off] + copy[:20]  # ...and comes back to it later
+    assert c.rate(speculative._band(20)) < rate  # the shadows' verdicts were recorded
 
 
-def test_a_band_that_failed_for_the_model_is_tried_again_by_later_generations():
-    cfg = LookupConfig(cooldown_steps=3, measure_cost=False, cost_per_draft=0.25)
-    copy = list(range(100, 140))
+def test_a_new_generation_starts_from_the_models_record_until_its_own_drafts_fail():
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.25)
+    copy = list(range(100, 200))
     h = copy + [1] + copy[:6]  # a 6-token match
-    model = Acceptance()
-    for _ in range(30):  # earlier answers whose drafts in this band were all rejected
-        model.judged(speculative._band(6), 4, 0)
-    def drafts_within(steps: int) -> bool:
-        later = DraftController(cfg, model=model)
-        return any(later.draft(h, 8) for _ in range(steps))
+    band = speculative._band(6)
+    fresh_start = len(DraftController(cfg).draft(h, 48))
+    assert fresh_start > 0
+    copied, failed = Acceptance(), Acceptance()
+    for _ in range(6):
+        copied.judged(band, 10, 10)  # a code edit: every draft kept whole
+        failed.judged(band, 4, 0)  # a chat: every draft rejected at once
+    assert len(DraftController(cfg, model=failed).draft(h, 48)) < fresh_start
+    after_edits = DraftController(cfg, model=copied)
+    assert len(after_edits.draft(h, 48)) > fresh_start  # a session of edits goes on copying...
+    other = speculative._band(30)
+    for _ in range(2):  # ...until this answer's drafts fail (in any band): a chat, then
+        after_edits.band = other
+        after_edits.record(4, 0)
+    assert after_edits.rate(band) <= Acceptance().rate(band)  # the edits' record no longer lifts it
 
-    assert not drafts_within(40)  # the model's record speaks against the band...
-    assert any(drafts_within(40) for _ in range(5))  # ...for a few answers, not for ever
+
+def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_before():
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.25)
+    copy = list(range(100, 200))
+    model = Acceptance()
+    band = speculative._band(20)
+    for _ in range(30):  # earlier answers whose drafts in this band were all rejected
+        model.judged(band, 4, 0)
+    before = model.rate(band)
+    later = DraftController(cfg, model=model)
+    h = copy + [1] + copy[:20]  # a 20-token match
+    assert [later.draft(h, 8) for _ in range(40)] == [[]] * 40  # the model's record speaks against it...
+    steps = 0
+    while not later.draft(h, 8):  # ...until this answer's plain steps show it copying
+        h = h + [copy[len(h) - len(copy) - 1]]
+        steps += 1
+        assert steps < 40
+    assert model.rate(band) > before  # and the model learnt it too
 
 
 def test_controller_lengthens_drafts_when_they_are_accepted():
