@@ -114,9 +114,12 @@ class LlamaCppBackend:
         n_gpu_layers: int = -1,
         kv_cache_type: str = "f16",
         workers: "rpc.Cluster | None" = None,
+        repack: bool = True,
     ) -> None:
         """workers: llama.cpp RPC workers to split the model over (None: the ones `--rpc`
-        registered for this process, if any; see localrun/rpc.py)."""
+        registered for this process, if any; see localrun/rpc.py). repack=False keeps the
+        weights in their stored layout instead of the CPU's gemm layouts (slower; rows of a
+        many-row step then drift less, see scripts/batch_drift.py)."""
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
         init_llama()
         self._model = None
@@ -129,6 +132,7 @@ class LlamaCppBackend:
         path = str(path)
         mparams = _lc.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers  # -1: all layers on the GPU where one exists
+        mparams.use_extra_bufts = repack
         self.placement = self._place_on_devices(mparams, path, workers)
         model = _lc.llama_model_load_from_file(path.encode(), mparams)
         if not model:

@@ -46,6 +46,7 @@ _LLAMA_CPP_ONLY = {
     "threads": (None, "--threads", "MLX sizes its own thread pool"),
     "n_gpu_layers": (-1, "n_gpu_layers", "MLX runs every layer on its default device"),
     "workers": (None, "--rpc", "MLX spreads a model over machines with mlx-ring instead"),
+    "repack": (True, "repack", "MLX keeps its weights in one layout"),
 }
 CONFIG_READ_LIMIT = 4 << 20  # a config.json is a few KB; a bigger one is not read whole
 
@@ -177,13 +178,14 @@ class MLXBackend:
         n_gpu_layers: int = -1,
         kv_cache_type: str = "f16",
         workers: "Cluster | None" = None,
+        repack: bool = True,
         trust_remote_code: bool = False,
     ) -> None:
         """The parameters are llama.cpp's (LlamaCppBackend), plus trust_remote_code: let a
         model whose config names its own Python code (`model_file`, `auto_map`) import
-        it; refused otherwise, before anything loads. threads, n_gpu_layers and workers
-        mean nothing to MLX: any value but their default is a one-line error."""
-        _refuse_llama_cpp_only(path, threads=threads, n_gpu_layers=n_gpu_layers, workers=workers)
+        it; refused otherwise, before anything loads. threads, n_gpu_layers, workers and
+        repack mean nothing to MLX: any value but their default is a one-line error."""
+        _refuse_llama_cpp_only(path, threads=threads, n_gpu_layers=n_gpu_layers, workers=workers, repack=repack)
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
         path = Path(path)
         check_remote_code(path, trust_remote_code, "pass --trust-remote-code")

@@ -37,20 +37,6 @@ from lookup_tasks import prompt_texts  # noqa: E402
 PREFILL_CHUNK = 256
 
 
-def _load_without_repacking() -> None:
-    """Models loaded from now on keep their stored layout (llama.cpp's use_extra_bufts off)."""
-    from backends import llamacpp
-
-    defaults = llamacpp._lc.llama_model_default_params
-
-    def without_repacking():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    llamacpp._lc.llama_model_default_params = without_repacking
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -61,9 +47,7 @@ def main() -> None:
     ap.add_argument("--no-repack", action="store_true",
                     help="load the weights as stored (no repacking into the CPU's gemm layouts)")
     a = ap.parse_args()
-    if a.no_repack:
-        _load_without_repacking()
-    be = LlamaCppBackend(a.model, n_ctx=2048, threads=a.threads)
+    be = LlamaCppBackend(a.model, n_ctx=2048, threads=a.threads, repack=not a.no_repack)
     worst_margin = worst_logit = 0.0
     flips = 0
     for text in list(prompt_texts(False).values())[: a.prompts]:

@@ -351,7 +351,7 @@ def test_both_backends_take_one_set_of_load_options():
 
 @pytest.mark.parametrize(
     "option, shown", [({"threads": 4}, "--threads 4"), ({"n_gpu_layers": 0}, "n_gpu_layers 0"),
-                      ({"workers": object()}, "--rpc")]
+                      ({"workers": object()}, "--rpc"), ({"repack": False}, "repack False")]
 )
 def test_mlx_refuses_llama_cpp_options_before_reading_anything(tmp_path, option, shown):
     """The folder is empty: only a refusal that comes first can answer with this error."""
