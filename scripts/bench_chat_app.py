@@ -20,11 +20,12 @@ and prompt lookup setting, so they decode the same tokens; the script checks tha
 answers are the same text and the token counts are equal, and says so.
 
     python scripts/bench_chat_app.py [--model PATH] [--repeat 3] [--max-tokens 200]
-                                     [--threads N|fitted] [--driver tmux|pilot] [--busy]
+                                     [--threads N|fitted] [--driver tmux|pilot] [--busy] [--long]
 
 --threads fitted passes no --threads to either side, so both fit their threads to the load
 as a user's `localrun chat` and `localrun run` do. --busy keeps one core spinning in
-another process during every run. Prints per-round
+another process during every run. --long asks for a 400-token answer, so that frames drawn
+while it decodes count as in a real session (the default answer is ~90 tokens). Prints per-round
 tok/s, the medians, `app / cli = X.XX` (of the medians, and the median of each round's
 own ratio, which a load that changes between rounds disturbs less) and the load average.
 """
@@ -51,6 +52,10 @@ REPO = Path(__file__).resolve().parent.parent
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
 DEFAULT_MODEL = MODELS / "smollm2-135m-instruct-q4_1.gguf"
 QUESTION = "Write a Python function that parses a CSV file and returns the average of each numeric column."
+# a question SmolLM2 answers with 400+ tokens (one long code block): ~4 s of decoding, so
+# the frames drawn while it decodes weigh as they do in a real session, not just the first
+LONG_QUESTION = ("Write a Python command-line todo app with add, list, done and delete commands that stores"
+                 " tasks in a JSON file, then explain how each part works.")
 SPIN = "while True: pass"
 SCREEN = (160, 40)  # wide enough that the status line is never cut
 
@@ -235,6 +240,8 @@ def main() -> int:
                         " as a user's does; default: physical cores)")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--question", default=QUESTION)
+    p.add_argument("--long", action="store_true",
+                   help="ask the long-answer question with --max-tokens 400 (instead of --question)")
     p.add_argument("--no-lookup", dest="lookup", action="store_false", help="prompt lookup off on both sides")
     p.add_argument("--driver", choices=("tmux", "pilot"), default="tmux" if shutil.which("tmux") else "pilot")
     p.add_argument("--busy", action="store_true", help="keep one core busy with another process during the runs")
@@ -245,6 +252,8 @@ def main() -> int:
     if args.repeat < 1 or args.max_tokens < 1:
         raise SystemExit("error: --repeat and --max-tokens must be at least 1")
     args.threads = args.threads or physical_cores()
+    if args.long:
+        args.question, args.max_tokens = LONG_QUESTION, 400
 
     print(f"model {args.model.name} │ driver {args.driver} │ threads {args.threads} │ max tokens {args.max_tokens}"
           f" │ lookup {'on' if args.lookup else 'off'} │ {'one core busy' if args.busy else 'no load of ours'}"

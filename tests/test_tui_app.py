@@ -7,6 +7,7 @@ nothing here sees or writes the user's real models or conversations."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -155,6 +156,7 @@ async def test_escape_stops_mid_answer_and_ui_stays_responsive(tui_env):
         await send(pilot, "Write a long story about a brave knight and a dragon.")
         await wait_for(pilot, lambda: (app.status.values.timings or 0) and app.status.values.timings.generated_tokens >= 4,
                        what="a few tokens")
+        assert gc.get_freeze_count() > 0  # no full collection stalls this answer's decoding
         await pilot.press("x")  # typing while the model writes: the event loop is free
         assert app.query_one(PromptInput).text == "x"
         t0 = time.monotonic()
@@ -162,6 +164,7 @@ async def test_escape_stops_mid_answer_and_ui_stays_responsive(tui_env):
         await answered(pilot, timeout=10)
         stop_latency = time.monotonic() - t0
         assert stop_latency < 5, f"Esc took {stop_latency:.2f} s to stop the answer"
+        assert gc.get_freeze_count() == 0  # a stopped answer hands its objects back to the collector
 
         answer = app.messages[-1]
         assert answer["role"] == "assistant" and answer["content"]

@@ -4,6 +4,7 @@ into the context, and the answer feed and frame pacer between decoding and drawi
 
 from __future__ import annotations
 
+import gc
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from localrun.tui.picker import best_model, initial_model
 from localrun.tui.session import ChatSession
 from localrun.tui.settings import FieldError, form_values, parse_form, settings_from_args
 from localrun.tui.status import StatusValues, human_bytes, status_text
-from localrun.tui.stream import AnswerFeed, FramePacer
+from localrun.tui.stream import AnswerFeed, CollectorPause, FramePacer, warm_highlighter
 
 
 # -- conversations ------------------------------------------------------------------
@@ -301,6 +302,32 @@ def test_pacer_shows_the_answer_every_max_gap_however_busy_the_ui_thread_is():
     assert p.due(0.5, 0.5)  # but half a second has passed
     p.drawn(0.5, 0.5)
     assert not p.due(0.9, 0.9) and p.due(1.0, 1.0)
+
+
+def test_collector_pause_hides_existing_objects_from_full_collections_until_released():
+    pause = CollectorPause()
+    before = gc.get_freeze_count()
+    assert before == 0
+    pause.hold()
+    try:
+        assert gc.get_freeze_count() > 0  # what existed is out of the collector's walk
+        frozen = gc.get_freeze_count()
+        pause.hold()  # a second hold changes nothing (and needs no second release)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        pause.release()
+    assert gc.get_freeze_count() == 0  # handed back: their garbage is collectable again
+    pause.release()
+    assert gc.get_freeze_count() == 0
+
+
+def test_warming_the_highlighter_compiles_a_languages_rules_before_any_answer_needs_them():
+    from pygments.lexers.python import PythonLexer
+
+    if "_tokens" in PythonLexer.__dict__:
+        del PythonLexer._tokens  # compiled by an earlier test: start from a cold lexer
+    warm_highlighter(("python",))
+    assert "_tokens" in PythonLexer.__dict__
 
 
 @pytest.mark.parametrize("hz, share", [(0, 0.1), (-5, 0.1), (10, 0), (10, 1.5)])

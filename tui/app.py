@@ -3,10 +3,12 @@
 Every engine call (load, answer) runs on a worker thread, one at a time (ChatSession's
 lock); the event loop only draws. The answer worker puts each piece into an
 `AnswerFeed` and never waits for the UI; a timer takes what the feed holds once a frame
-(`FramePacer`: at most 15 a second, fewer when drawing would take over 3% of a core)
+(`FramePacer`: at most 15 a second, fewer when drawing would take over 2% of a core)
 and appends it to a Markdown stream, with one status update; the worker posts one
-`AnswerDone` at the end. Esc sets the worker's cancel flag: it stops after the current backend step and the
-text written so far stays in the chat.
+`AnswerDone` at the end. While an answer is written no full garbage collection runs
+(`CollectorPause`), and the highlighter's rules are compiled while the first model
+loads. Esc sets the worker's cancel flag: it stops after the current backend step and
+the text written so far stays in the chat.
 
     python -m localrun.tui.app MODEL [chat flags]   # what `localrun chat` runs
 """
@@ -39,7 +41,7 @@ from .session import ChatSession, Reply, resolve
 from .settings import ChatSettings, settings_from_args
 from .settings_screen import SettingsPanel
 from .status import StatusBar, process_rss
-from .stream import GIL_SWITCH_S, AnswerFeed, FramePacer
+from .stream import GIL_SWITCH_S, AnswerFeed, CollectorPause, FramePacer, warm_highlighter
 
 WELCOME = "Type a message — **Enter** sends, **Esc** stops the answer, **F1** lists every key and `/command`."
 
@@ -135,6 +137,8 @@ class ChatApp(SlashCommands, App):
         self._pacer = FramePacer()
         self._frames = None  # the frame timer, running while an answer is written
         self._switch_interval: float | None = None
+        self._collector = CollectorPause()  # no full garbage collection while an answer decodes
+        self._highlighter_warm = False
 
     @property
     def generating(self) -> bool:
@@ -143,6 +147,10 @@ class ChatApp(SlashCommands, App):
     @generating.setter
     def generating(self, value: bool) -> None:
         self._generating = value
+        if value:
+            self._collector.hold()
+        else:
+            self._collector.release()
         self.refresh_bindings()  # shows or hides "esc Stop" in the footer
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
@@ -174,6 +182,7 @@ class ChatApp(SlashCommands, App):
             self.action_models()
 
     def on_unmount(self) -> None:
+        self._collector.release()  # quit mid-answer: the process may go on (a test, an embedder)
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
 
@@ -206,6 +215,9 @@ class ChatApp(SlashCommands, App):
 
     @work(thread=True, group="engine")
     def _load(self, path: Path, name: str) -> None:
+        if not self._highlighter_warm:
+            warm_highlighter()
+            self._highlighter_warm = True
         try:
             self.session.load(path, name)
         except LocalrunError as exc:

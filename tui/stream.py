@@ -15,17 +15,22 @@ waits to sample. Drawing each token as it came made the app decode at ~0.6x the 
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass, field
 
 FRAME_HZ = 15  # frames a second at most: smooth to read, a small fraction of a core to draw
-# the UI thread's CPU time between two frames stays under 3% of the wall time: on a 2-core
+# the UI thread's CPU time between two frames stays under 2% of the wall time: on a 2-core
 # machine llama.cpp runs a thread per core and waits for the slowest, so the UI's share
-# of a core comes off decoding nearly one for one (issue 16 allows the app 5% in all)
-MAX_UI_SHARE = 0.03
+# of a core comes off decoding one for one and a little more (GIL hand-offs; issue 16
+# allows the app 5% in all). A frame of a scrolling answer costs Textual ~15-30 ms of
+# layout and rendering here (160x40), so in practice the gap below sets the pace.
+MAX_UI_SHARE = 0.02
 # however busy the UI thread is (input, layout, a test's pilot all count as its CPU), the
-# answer on screen is never older than this: the share rule only thins frames out
-MAX_FRAME_GAP_S = 0.5
+# answer on screen is never older than this: the share rule only thins frames out.
+# Measured (scripts/bench_chat_app.py, SmolLM2, 2 threads): 0.5 s gave app / cli
+# 0.88-0.94, 0.75 s 0.98-1.1
+MAX_FRAME_GAP_S = 0.75
 GIL_SWITCH_S = 0.001  # while the app runs: how long a thread holding the GIL keeps a waiting one out
 
 
@@ -103,3 +108,50 @@ class FramePacer:
 
     def drawn(self, wall: float, cpu: float) -> None:
         self._last = (wall, cpu)
+
+
+class CollectorPause:
+    """Keeps Python's full garbage collections out of an answer.
+
+    A full (oldest-generation) collection walks every tracked object while holding the
+    GIL: with a model, Textual and a conversation loaded that is ~100k objects and 60-90
+    ms here, once or twice an answer, on the UI thread. All that time the decode thread
+    cannot take the GIL to sample, so the whole step waits (measured: app / cli 0.86 with
+    it, 1.03 without, on a 400-token SmolLM2 answer). `hold()` moves every object that
+    exists when the answer starts out of the collector's sight (`gc.freeze`), so only what
+    the answer itself allocates is scanned; `release()` hands them back, and their garbage
+    is collected between answers as usual. Young collections (a few ms) still run.
+
+        pause = CollectorPause()
+        pause.hold()      # answer starts: gc.get_freeze_count() > 0
+        pause.release()   # answer done: gc.get_freeze_count() == 0
+    """
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def hold(self) -> None:
+        if not self.held:
+            gc.freeze()
+            self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            gc.unfreeze()
+            self.held = False
+
+
+# code fences the models here write most; a language's first fence costs its lexer's
+# rule compilation (Python's: ~35 ms), paid once per process
+WARM_LANGUAGES = ("python", "bash", "json", "javascript", "c", "cpp")
+
+
+def warm_highlighter(languages=WARM_LANGUAGES) -> None:
+    """Compile the syntax highlighter's rules for common languages now, off the answer's
+    path: otherwise the first frame that shows a code fence compiles them on the UI
+    thread, holding the GIL while the decode thread waits to sample. Called once, on
+    the worker thread that loads the first model."""
+    from textual.highlight import highlight
+
+    for language in languages:
+        highlight("x\n", language=language)
