@@ -11,6 +11,9 @@ native llama-server's own n-gram speculation and llama-cpp-python's
 Engines (all greedy: temperature 0, top_k 1, the same threads, n_ctx, and flash attention
 as localrun's backend chose it for this machine and cache, see backends/attention.py):
   lr_lookup / lr_plain      localrun's Engine with lookup on / off
+  lr_loose                  lookup on without the temperature-0 closeness rule: every wide
+                            row's greedy token is taken, as llama-server does (not in the
+                            default set; it prints what localrun's identity guarantee costs)
   ls_simple / ls_mod / ls_plain
                             llama-server (scripts/build_llama_bench.sh builds it from the
                             llama.cpp that llama-cpp-python vendors) with `--spec-type
@@ -51,10 +54,12 @@ MARK = "BENCH_LOOKUP "
 MODELS_DIR = Path(os.environ.get("LOCALRUN_TEST_MODELS", "~/.cache/localrun/test-models")).expanduser()
 MODELS = {"smollm2": "smollm2-135m-instruct-q4_1.gguf", "gemma": "gemma-3-270m-q4_k_m.gguf",
           "qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
-ENGINES = ["lr_lookup", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
+ENGINES = ["lr_lookup", "lr_loose", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
+DEFAULT_ENGINES = [e for e in ENGINES if e != "lr_loose"]
 SERVER_SPEC = {"ls_plain": [], "ls_simple": ["--spec-type", "ngram-simple"], "ls_mod": ["--spec-type", "ngram-mod"]}
 # (label, lookup-on engine, lookup-off engine) whose texts the identity check compares
-IDENTITY_PAIRS = [("localrun", "lr_lookup", "lr_plain"), ("ngram-simple", "ls_simple", "ls_plain"),
+IDENTITY_PAIRS = [("localrun", "lr_lookup", "lr_plain"), ("localrun-loose", "lr_loose", "lr_plain"),
+                  ("ngram-simple", "ls_simple", "ls_plain"),
                   ("ngram-mod", "ls_mod", "ls_plain"), ("lr-off=server-none", "lr_plain", "ls_plain")]
 SERVER_START_S = 300  # a loaded 2-core machine can take minutes to map and warm a model
 
@@ -143,10 +148,18 @@ def make_engines(job, eng, stops, servers, log_dir):
     greedy = SamplingParams(temperature=0.0)
     flash_attn = eng.backend.flash_attn  # "on" / "off" / "auto": every engine attends the same way
 
-    def localrun(lookup):
+    def localrun(lookup, loose=False):
+        from localrun.speculative import BatchDrift
+
         def run(prompt, n_max, timed=True):
             eng.backend.kv_clear(0)  # no prefix reuse: every engine prefills in full, from the same state
-            res = eng.complete(prompt, sampling=greedy, max_tokens=n_max, lookup=lookup)
+            measured = eng.drift
+            if loose:
+                eng.drift = BatchDrift.known(0.0)  # a lead of 0 is enough: no row left to a one-row step
+            try:
+                res = eng.complete(prompt, sampling=greedy, max_tokens=n_max, lookup=lookup)
+            finally:
+                eng.drift = measured
             t = res.timings
             return {"tokens": _strip_stop(res.tokens, stops), "finish": res.finish_reason, "decode_tps": t.decode_tps,
                     "generated": t.generated_tokens, "steps": t.steps, "drafted": t.drafted, "accepted": t.accepted}
@@ -195,7 +208,8 @@ def make_engines(job, eng, stops, servers, log_dir):
             return {"tokens": toks, "decode_tps": (len(times) - 1) / dt if dt > 0 else None}
         return run
 
-    makers = {"lr_lookup": lambda: localrun(True), "lr_plain": lambda: localrun(False),
+    makers = {"lr_lookup": lambda: localrun(True), "lr_loose": lambda: localrun(True, loose=True),
+              "lr_plain": lambda: localrun(False),
               "ls_simple": lambda: llama_server("ls_simple"), "ls_mod": lambda: llama_server("ls_mod"),
               "ls_plain": lambda: llama_server("ls_plain"),
               "lcpp_lookup": lambda: llama_cpp(True), "lcpp_plain": lambda: llama_cpp(False)}
@@ -277,7 +291,7 @@ def identity_runs(job, eng, engines, prompts, runs, stops):
     import numpy as np
     from localrun.backends.base import BatchEntry
 
-    which = [e for e in ("lr_lookup", "lr_plain", "ls_plain", "ls_simple", "ls_mod") if e in engines]
+    which = [e for e in ("lr_lookup", "lr_loose", "lr_plain", "ls_plain", "ls_simple", "ls_mod") if e in engines]
     out = {}
     for n, prompt in prompts.items():
         out[n] = {e: runs[n][e][0]["tokens"] if n in runs else engines[e](prompt, job["max_tokens"], timed=False)["tokens"]
@@ -338,9 +352,10 @@ def _f(x, spec=".2f"):
 # ratio column -> (numerator engine, denominator engine)
 RATIOS = {"LU/off": ("lr_lookup", "lr_plain"), "LU/simple": ("lr_lookup", "ls_simple"),
           "LU/mod": ("lr_lookup", "ls_mod"), "LU/lcpLU": ("lr_lookup", "lcpp_lookup"),
+          "loose/LU": ("lr_loose", "lr_lookup"), "loose/simple": ("lr_loose", "ls_simple"),
           "simple/none": ("ls_simple", "ls_plain"), "mod/none": ("ls_mod", "ls_plain"),
           "lcpLU/lcp": ("lcpp_lookup", "lcpp_plain")}
-DRAFTERS = ("lr_lookup", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens
+DRAFTERS = ("lr_lookup", "lr_loose", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens
 
 
 def task_rows(label, w, tasks):
@@ -427,7 +442,7 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", help=f"short names {list(MODELS)}, file names in "
                     "$LOCALRUN_TEST_MODELS, or paths (default: all three; --quick: smollm2)")
     ap.add_argument("--tasks", choices=["grounded", "chat", "all"], default="all")
-    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES)
+    ap.add_argument("--engines", nargs="+", choices=ENGINES, default=DEFAULT_ENGINES)
     ap.add_argument("--max-tokens", type=int, help="tokens per answer (default 160; --quick: 64)")
     ap.add_argument("--repeat", type=int, help="timed runs per engine and task (default 3; --quick: 1)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
