@@ -39,6 +39,11 @@ from .tools.model import ModelTools
 __all__ = ["Completion", "Engine", "Event", "Generation", "Timings"]
 
 
+def _exact_greedy(g: Generation) -> bool:
+    """Whether g's drafts are verified under the closeness rule (LookupConfig.exact_greedy)."""
+    return g.sampler.params.greedy and g.lookup is not None and g.lookup.cfg.exact_greedy
+
+
 @dataclass
 class _Feed:
     """One generation's part of a step: its batch entry, and the draft it carries."""
@@ -266,7 +271,7 @@ class Engine:
         now = time.perf_counter()
         if len(feeds) == 1 and feeds[0].gen.decoding and feeds[0].entry.n_logits:
             self.step_cost.observe(len(feeds[0].entry.tokens), (now - t0) * 1000)
-        if len(feeds) > 1 and self.drift.calibrating and any(f.draft for f in feeds):
+        if len(feeds) > 1 and self.drift.calibrating and any(f.draft and _exact_greedy(f.gen) for f in feeds):
             # a calibrating step decodes again, into the buffer the others' rows may live in
             rows = [np.array(r) for r in rows]
         events: dict[int, Event] = {}
@@ -322,18 +327,19 @@ class Engine:
     def _speculative_step(self, g: Generation, draft: list[int], rows, now: float) -> Event | None:
         """Rows for the pending token and each draft token: each row is sampled exactly as
         a plain step would, and a draft is kept while it is the token sampled; the KV of
-        what was not kept is trimmed. Under greedy sampling a row from this wide step is
-        trusted only where its choice leads by more than the model's measured batch drift
-        (speculative.BatchDrift); the first row that does not is left to a one-row step.
-        Returns None when no token came out (the very first row was left)."""
+        what was not kept is trimmed. Asked for (`LookupConfig.exact_greedy`), under
+        greedy sampling a row from this wide step is trusted only where its choice leads
+        by more than the model's measured batch drift (speculative.BatchDrift); the first
+        row that does not is left to a one-row step. Returns None when no token came out
+        (the very first row was left)."""
         base = g.n_cached  # where the pending token sits
-        greedy = g.sampler.params.greedy
+        exact = _exact_greedy(g)
         lead = None  # the lead a greedy token needs in a wide step's row
-        if greedy and self.drift.calibrating:
+        if exact and self.drift.calibrating:
             rows = self._recompute_alone(g, draft, rows)  # exact: rows of one-row steps
             if rows is None:
                 return None
-        elif greedy and self.drift.margin > 0:
+        elif exact and self.drift.margin > 0:
             lead = self.drift.margin
         events: list[Event] = []
         kept, unsure = 0, False

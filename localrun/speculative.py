@@ -38,13 +38,17 @@ project's 2-core AVX2 CPU with flash attention off, top-two margins moved by up 
 on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/batch_drift.py). Without all three
 (a -DGGML_LLAMAFILE=OFF build, GGML_CPU_TILED_MM=0, no repacking) rows are bit-identical,
 but prompt reading gets 1.1x (Q4_1) to 2.1x (K-quants) slower and a wide step 1.6-1.9x
-dearer, so localrun keeps the fast kernels and bounds their effect instead:
-`BatchDrift` measures the drift on the first speculative steps of a model (by
-recomputing them one row at a time, which also decides those tokens exactly), and from
-then on a greedy token is taken from a wide step only where it leads the runner-up by
-more than a margin over the measured drift; otherwise the step stops there and a
-one-row step decides (the draft's judge counts that stop as a rejection: the rows after
-it are lost all the same).
+dearer, so localrun keeps the fast kernels. By default a greedy token is taken from a
+wide step's row as from a one-row step: a near-tie can go the other way than without
+lookup (measured: 27-28 of 36 answers identical, scripts/bench_lookup.py). With
+`LookupConfig(exact_greedy=True)` it bounds the kernels' effect instead: `BatchDrift`
+measures the drift on the first speculative steps of a model (by recomputing them one
+row at a time, which also decides those tokens exactly), and from then on a greedy
+token is taken from a wide step only where it leads the runner-up by more than a margin
+over the measured drift; otherwise the step stops there and a one-row step decides (the
+draft's judge counts that stop as a rejection: the rows after it are lost all the same).
+That protects the wide rows but not the KV cache of kept drafts, which later rows read:
+it kept 28-29 of the same 36 answers identical, at 1.23-1.34x the grounded tasks' time.
 """
 
 from __future__ import annotations
@@ -137,6 +141,13 @@ class LookupConfig:
     cost_per_draft: float = 0.25
     min_gain: float = 1.05  # draft only when it is expected to pay at least this much
     measure_cost: bool = True  # False keeps cost_per_draft (deterministic draft lengths)
+    # At temperature 0, take a wide step's greedy token only where it leads the runner-up
+    # by more than the model's measured batch drift, else let a one-row step decide (see
+    # the module's "Temperature 0"). Off by default: over 36 answers it kept about as
+    # many identical to lookup off (29 and 28 against 27 and 28 in two same-run
+    # measurements) while grounded tasks decoded 1.23-1.34x slower (scripts/bench_lookup.py
+    # --engines lr_lookup lr_exact ...).
+    exact_greedy: bool = False
 
 
 class StepCost:

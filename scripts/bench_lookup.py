@@ -11,9 +11,9 @@ native llama-server's own n-gram speculation and llama-cpp-python's
 Engines (all greedy: temperature 0, top_k 1, the same threads, n_ctx, and flash attention
 as localrun's backend chose it for this machine and cache, see backends/attention.py):
   lr_lookup / lr_plain      localrun's Engine with lookup on / off
-  lr_loose                  lookup on without the temperature-0 closeness rule: every wide
-                            row's greedy token is taken, as llama-server does (not in the
-                            default set; it prints what localrun's identity guarantee costs)
+  lr_exact                  lookup with LookupConfig(exact_greedy=True): a wide row's greedy
+                            token only where it leads by more than the measured batch drift
+                            (not in the default set; it prints what that rule costs and buys)
   ls_simple / ls_mod / ls_plain
                             llama-server (scripts/build_llama_bench.sh builds it from the
                             llama.cpp that llama-cpp-python vendors) with `--spec-type
@@ -54,11 +54,11 @@ MARK = "BENCH_LOOKUP "
 MODELS_DIR = Path(os.environ.get("LOCALRUN_TEST_MODELS", "~/.cache/localrun/test-models")).expanduser()
 MODELS = {"smollm2": "smollm2-135m-instruct-q4_1.gguf", "gemma": "gemma-3-270m-q4_k_m.gguf",
           "qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
-ENGINES = ["lr_lookup", "lr_loose", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
-DEFAULT_ENGINES = [e for e in ENGINES if e != "lr_loose"]
+ENGINES = ["lr_lookup", "lr_exact", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
+DEFAULT_ENGINES = [e for e in ENGINES if e != "lr_exact"]
 SERVER_SPEC = {"ls_plain": [], "ls_simple": ["--spec-type", "ngram-simple"], "ls_mod": ["--spec-type", "ngram-mod"]}
 # (label, lookup-on engine, lookup-off engine) whose texts the identity check compares
-IDENTITY_PAIRS = [("localrun", "lr_lookup", "lr_plain"), ("localrun-loose", "lr_loose", "lr_plain"),
+IDENTITY_PAIRS = [("localrun", "lr_lookup", "lr_plain"), ("localrun-exact", "lr_exact", "lr_plain"),
                   ("ngram-simple", "ls_simple", "ls_plain"),
                   ("ngram-mod", "ls_mod", "ls_plain"), ("lr-off=server-none", "lr_plain", "ls_plain")]
 SERVER_START_S = 300  # a loaded 2-core machine can take minutes to map and warm a model
@@ -145,21 +145,14 @@ def _strip_stop(tokens, stops) -> list[int]:
 def make_engines(job, eng, stops, servers, log_dir):
     """engine name -> run(prompt, n_max, timed) -> {"tokens", "decode_tps", ...}."""
     from localrun.sampling import SamplingParams
+    from localrun.speculative import LookupConfig
     greedy = SamplingParams(temperature=0.0)
     flash_attn = eng.backend.flash_attn  # "on" / "off" / "auto": every engine attends the same way
 
-    def localrun(lookup, loose=False):
-        from localrun.speculative import BatchDrift
-
+    def localrun(lookup):
         def run(prompt, n_max, timed=True):
             eng.backend.kv_clear(0)  # no prefix reuse: every engine prefills in full, from the same state
-            measured = eng.drift
-            if loose:
-                eng.drift = BatchDrift.known(0.0)  # a lead of 0 is enough: no row left to a one-row step
-            try:
-                res = eng.complete(prompt, sampling=greedy, max_tokens=n_max, lookup=lookup)
-            finally:
-                eng.drift = measured
+            res = eng.complete(prompt, sampling=greedy, max_tokens=n_max, lookup=lookup)
             t = res.timings
             return {"tokens": _strip_stop(res.tokens, stops), "finish": res.finish_reason, "decode_tps": t.decode_tps,
                     "generated": t.generated_tokens, "steps": t.steps, "drafted": t.drafted, "accepted": t.accepted}
@@ -208,7 +201,7 @@ def make_engines(job, eng, stops, servers, log_dir):
             return {"tokens": toks, "decode_tps": (len(times) - 1) / dt if dt > 0 else None}
         return run
 
-    makers = {"lr_lookup": lambda: localrun(True), "lr_loose": lambda: localrun(True, loose=True),
+    makers = {"lr_lookup": lambda: localrun(True), "lr_exact": lambda: localrun(LookupConfig(exact_greedy=True)),
               "lr_plain": lambda: localrun(False),
               "ls_simple": lambda: llama_server("ls_simple"), "ls_mod": lambda: llama_server("ls_mod"),
               "ls_plain": lambda: llama_server("ls_plain"),
@@ -237,7 +230,8 @@ def work(job):
     try:
         engines = make_engines(job, eng, stops, servers, log_dir)
         tasks = [] if job["identity_only"] else job["tasks"]
-        measure_batch_drift(eng, prompts)
+        if "lr_exact" in engines:
+            measure_batch_drift(eng, prompts)
         runs = timed_runs(job, engines, prompts, tasks)
         identity, diffs = identity_runs(job, eng, engines, prompts, runs, stops)
     finally:
@@ -252,15 +246,18 @@ def work(job):
 
 
 def measure_batch_drift(eng, prompts):
-    """localrun measures a model's batch drift on its first speculative steps (recomputing
-    them one row at a time) and keeps it in the data folder: a user pays that once per
-    model. Pay it here, untimed, so that timed runs show the speed every later run has."""
+    """With exact_greedy, localrun measures a model's batch drift on its first speculative
+    steps (recomputing them one row at a time) and keeps it in the data folder: a user pays
+    that once per model. Pay it here, untimed, so that timed runs show the speed every
+    later run has."""
     from localrun.sampling import SamplingParams
+    from localrun.speculative import LookupConfig
 
     for name in ("edit", "rename", *prompts):
         if not eng.drift.calibrating:
             break
-        eng.complete(prompts[name], sampling=SamplingParams(temperature=0.0), max_tokens=128, lookup=True)
+        eng.complete(prompts[name], sampling=SamplingParams(temperature=0.0), max_tokens=128,
+                     lookup=LookupConfig(exact_greedy=True))
     print(f"  batch drift: {eng.drift.worst:.3f} (a wide step's greedy token needs a lead over "
           f"{eng.drift.margin:.3f})", file=sys.stderr, flush=True)
 
@@ -291,7 +288,7 @@ def identity_runs(job, eng, engines, prompts, runs, stops):
     import numpy as np
     from localrun.backends.base import BatchEntry
 
-    which = [e for e in ("lr_lookup", "lr_loose", "lr_plain", "ls_plain", "ls_simple", "ls_mod") if e in engines]
+    which = [e for e in ("lr_lookup", "lr_exact", "lr_plain", "ls_plain", "ls_simple", "ls_mod") if e in engines]
     out = {}
     for n, prompt in prompts.items():
         out[n] = {e: runs[n][e][0]["tokens"] if n in runs else engines[e](prompt, job["max_tokens"], timed=False)["tokens"]
@@ -352,10 +349,10 @@ def _f(x, spec=".2f"):
 # ratio column -> (numerator engine, denominator engine)
 RATIOS = {"LU/off": ("lr_lookup", "lr_plain"), "LU/simple": ("lr_lookup", "ls_simple"),
           "LU/mod": ("lr_lookup", "ls_mod"), "LU/lcpLU": ("lr_lookup", "lcpp_lookup"),
-          "loose/LU": ("lr_loose", "lr_lookup"), "loose/simple": ("lr_loose", "ls_simple"),
+          "LU/exact": ("lr_lookup", "lr_exact"),
           "simple/none": ("ls_simple", "ls_plain"), "mod/none": ("ls_mod", "ls_plain"),
           "lcpLU/lcp": ("lcpp_lookup", "lcpp_plain")}
-DRAFTERS = ("lr_lookup", "lr_loose", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens
+DRAFTERS = ("lr_lookup", "lr_exact", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens
 
 
 def task_rows(label, w, tasks):

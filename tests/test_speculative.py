@@ -187,17 +187,26 @@ def test_greedy_is_identical_when_wide_rows_drift():
         return out, eng
 
     off, _ = greedy(False, ScriptedBackend)
-    on, eng = greedy(LookupConfig(measure_cost=False, cost_per_draft=0.2), DriftingBackend)
+    on, eng = greedy(LookupConfig(measure_cost=False, cost_per_draft=0.2, exact_greedy=True), DriftingBackend)
     assert "x" not in off.text
     assert on.tokens == off.tokens
     assert on.timings.accepted > 10 and on.timings.steps < off.timings.steps  # it still paid
     assert not eng.drift.calibrating and eng.drift.worst == pytest.approx(0.1, abs=1e-5)
-    # without the margin rule a wide row decides the tie the other way
-    eng.drift = BatchDrift.known(0.0)
+    # without the margin rule (the default) a wide row decides the tie the other way
     eng.backend.kv_clear(0)
     unruled = eng.complete("abcabcab", sampling=GREEDY, max_tokens=60,
                            lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2))
     assert unruled.tokens != off.tokens
+
+
+def test_by_default_greedy_lookup_takes_wide_rows_as_they_come_and_measures_no_drift():
+    be = DriftingBackend(logits_fn=near_tie_logits, n_ctx=256)
+    eng = Engine(be)
+    out = eng.complete("abcabcab", sampling=GREEDY, max_tokens=60,
+                       lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2))
+    assert out.timings.accepted > 10
+    assert eng.drift.calibrating  # no row was decoded a second time to measure the drift
+    assert len(be.calls) == 1 + out.timings.steps  # the prompt, then one decode per step: none redone
 
 
 def test_a_row_left_to_a_one_row_step_counts_against_the_draft():
@@ -210,7 +219,7 @@ def test_a_row_left_to_a_one_row_step_counts_against_the_draft():
     eng.acceptance.judged = lambda band, drafted, accepted: (verdicts.append((drafted, accepted)),
                                                              judged(band, drafted, accepted))
     out = eng.complete("abcabcab", sampling=GREEDY, max_tokens=150,
-                       lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2))
+                       lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2, exact_greedy=True))
     assert "x" not in out.text and not eng.drift.calibrating
     # no draft token here differs from the greedy one, yet the stops count as rejections
     assert any(accepted < drafted for drafted, accepted in verdicts)
@@ -386,7 +395,7 @@ def test_calibrating_one_generation_leaves_the_others_rows_intact():
         eng = Engine(ScriptedBackend(logits_fn=cycle_or_walk, n_ctx=256))
         solo.append(eng.complete(p, sampling=GREEDY, max_tokens=40, lookup=False).tokens)
     eng = Engine(BufferBackend(logits_fn=cycle_or_walk, n_ctx=256, n_seq=2))
-    lookup = LookupConfig(measure_cost=False, cost_per_draft=0.2)
+    lookup = LookupConfig(measure_cost=False, cost_per_draft=0.2, exact_greedy=True)
     # the second one steps plainly: it reads its one row after the first one re-decoded
     gens = [eng.start(p, sampling=GREEDY, max_tokens=40, lookup=lk) for p, lk in zip(prompts, [lookup, False])]
     while not all(g.done for g in gens):
@@ -407,7 +416,8 @@ def test_a_measured_drift_is_remembered_for_the_same_model_file(tmp_path, monkey
 
     first = engine()
     assert first.drift.calibrating  # never measured for this file
-    first.complete("abcabcab", sampling=GREEDY, max_tokens=80, lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2))
+    first.complete("abcabcab", sampling=GREEDY, max_tokens=80,
+                   lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2, exact_greedy=True))
     assert not first.drift.calibrating
     again = engine()
     assert not again.drift.calibrating and again.drift.worst == pytest.approx(first.drift.worst)
