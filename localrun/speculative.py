@@ -7,6 +7,12 @@ earlier occurrences of the history's last two tokens, extends each match backwar
 Example, history = [5, 6, 7, 9, 5, 6]: the pair [5, 6] occurred at 0..1, the match is
 2 tokens long, and [7, 9, 5, 6] followed it.
 
+**Edits.** An answer that copies often changes what it copies the same way each time
+(a renamed variable, a fixed word). Where a draft failed and the answer then agreed with
+the source again a few tokens on, `LearnedEdits` keeps the difference as an edit: later
+drafts copy with it made, and a match goes on behind it (a long match, not a fresh
+2-token one). What it buys is measured in LookupConfig.learn_edits' comment.
+
 **How much to draft.** A long match is evidence that the answer is copying a span (a
 code edit, a quote), so `DraftController` keeps one acceptance estimate per band of
 match length, and `StepCost` keeps the measured time of a step per number of rows (on
@@ -40,7 +46,7 @@ on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/batch_drift.py). Without all
 but prompt reading gets 1.1x (Q4_1) to 2.1x (K-quants) slower and a wide step 1.6-1.9x
 dearer, so localrun keeps the fast kernels. By default a greedy token is taken from a
 wide step's row as from a one-row step: a near-tie can go the other way than without
-lookup (measured: 27-28 of 36 answers identical, scripts/bench_lookup.py). With
+lookup (measured: 26-28 of 36 answers identical in three runs, scripts/bench_lookup.py). With
 `LookupConfig(exact_greedy=True)` it bounds the kernels' effect instead: `BatchDrift`
 measures the drift on the first speculative steps of a model (by recomputing them one
 row at a time, which also decides those tokens exactly), and from then on a greedy
@@ -56,6 +62,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .lookup_edits import MAX_EDITS, LearnedEdits
 
 # Match-length bands (upper bounds, inclusive) and the acceptance each starts from before
 # any draft of this generation was judged: longer agreement with an earlier span makes
@@ -96,29 +104,38 @@ class NgramIndex:
     def find(self, history: list[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest recent match of the history's tail,
         and the match's length (0: no earlier occurrence of the last two tokens)."""
+        end, length = self.locate(history)
+        if end < 0 or k <= 0:
+            return [], 0
+        return history[end + 1 : end + 1 + k], length
+
+    def locate(self, history: list[int], edits: LearnedEdits | None = None) -> tuple[int, int]:
+        """Where the longest recent earlier match of the history's tail ends, and its
+        length ((-1, 0): no earlier occurrence of the last two tokens). With `edits`, a
+        match goes on behind a spot where the answer made an edit it learned (a renamed
+        name), counted on the answer's side."""
         self.sync(history)
         n = len(history)
-        if n < 3 or k <= 0:
-            return [], 0
+        if n < 3:
+            return -1, 0
         places = self._at.get((history[-2], history[-1]))
         if not places:
-            return [], 0
-        best_end, best_len = -1, 0
+            return -1, 0
+        best = (-1, 0)
         seen = 0
         for end in reversed(places):
             if end >= n - 1:  # the tail itself
                 continue
-            length = 2
-            while length < MAX_MATCH and end - length >= 0 and history[end - length] == history[n - 1 - length]:
-                length += 1
-            if length > best_len:
-                best_end, best_len = end, length
+            exact = 2
+            while exact < MAX_MATCH and end - exact >= 0 and history[end - exact] == history[n - 1 - exact]:
+                exact += 1
+            length = exact if edits is None else edits.extend(history, n - 1 - exact, end - exact, exact, MAX_MATCH)
+            if length > best[1]:
+                best = (end, length)
             seen += 1
-            if seen == CANDIDATES or best_len == MAX_MATCH:
+            if seen == CANDIDATES or length >= MAX_MATCH:
                 break
-        if best_end < 0:
-            return [], 0
-        return history[best_end + 1 : best_end + 1 + k], best_len
+        return best
 
 
 def propose(history, min_n: int = 2, k: int = 8) -> list[int]:
@@ -148,6 +165,13 @@ class LookupConfig:
     # measurements) while grounded tasks decoded 1.23-1.34x slower (scripts/bench_lookup.py
     # --engines lr_lookup lr_exact ...).
     exact_greedy: bool = False
+    # Drafts make the edits the answer made to what it copies (lookup_edits.LearnedEdits).
+    # Measured on the typo-fixing task, the one of scripts/bench_lookup.py's where the test
+    # models edit what they copy (they write the renames back unrenamed): decode 1.05x /
+    # 1.17x / 1.38x on Gemma-3 / SmolLM2 / Qwen2.5 against learn_edits=False (medians of 3,
+    # `--engines lr_lookup lr_noedit`), steps per answer 12-15 instead of 24-25, 29 instead
+    # of 44, 26 instead of 47.
+    learn_edits: bool = True
 
 
 class StepCost:
@@ -243,7 +267,10 @@ class DraftController:
         self.cost = cost if cost is not None else StepCost()
         self.acceptance = Acceptance(prior=model)
         self.index = NgramIndex()
+        self.edits = LearnedEdits(MAX_EDITS if cfg.learn_edits else 0)
         self.band = -1  # the band of the draft in flight
+        self._flight: tuple[int, list] | None = None  # the draft in flight: history length, origins
+        self._after: tuple[int, int] | None = None  # (answer, source) index of the token after a kept draft
         self._shadow: tuple[int, int, list[int]] | None = None  # band, history length, tokens
 
     def rate(self, band: int) -> float:
@@ -259,8 +286,17 @@ class DraftController:
         if not self.cfg.enabled or room <= 0:
             return []
         self._judge_shadow(history)
-        candidate, match = self.index.find(history, min(room, self.cfg.max_draft))
-        if match < self.cfg.min_match or not candidate:
+        if self._after is not None:
+            answer, source = self._after
+            self._after = None
+            if source < answer < len(history) and self.edits.copy(history, source, 1)[0] != [history[answer]]:
+                self.edits.missed(source, answer)
+        self.edits.resync(history)
+        end, match = self.index.locate(history, self.edits)
+        if match < self.cfg.min_match:
+            return []
+        candidate, origins = self.edits.copy(history, end + 1, min(room, self.cfg.max_draft))
+        if not candidate:
             return []
         band = _band(match)
         k = self.best_length(self.rate(band), len(candidate))
@@ -270,6 +306,7 @@ class DraftController:
             return []
         self._shadow = None  # a real verdict comes now, over the same tokens
         self.band = band
+        self._flight = (len(history), origins[:k])
         return candidate[:k]
 
     def _judge_shadow(self, history: list[int]) -> None:
@@ -304,6 +341,17 @@ class DraftController:
             return
         self.acceptance.judged(self.band, drafted, accepted)
         self.band = -1
+        if self._flight is not None:
+            start, origins = self._flight
+            if accepted < drafted:
+                source, edit = origins[accepted]
+                if edit is not None:
+                    self.edits.forget(edit)  # the answer did not make that edit here
+                self.edits.missed(source, start + accepted)
+            else:  # the token after the draft may leave the copy too: the next draft looks
+                source, edit = origins[-1]
+                self._after = (start + drafted, source + (len(edit[0]) if edit else 1))
+        self._flight = None
 
 
 def margin_change(wide, alone) -> float:

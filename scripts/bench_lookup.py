@@ -14,6 +14,9 @@ as localrun's backend chose it for this machine and cache, see backends/attentio
   lr_exact                  lookup with LookupConfig(exact_greedy=True): a wide row's greedy
                             token only where it leads by more than the measured batch drift
                             (not in the default set; it prints what that rule costs and buys)
+  lr_noedit                 lookup with LookupConfig(learn_edits=False): drafts copy the source
+                            as it stands, not with the edits the answer made to it (not in the
+                            default set; it prints what learning edits buys)
   ls_simple / ls_mod / ls_plain
                             llama-server (scripts/build_llama_bench.sh builds it from the
                             llama.cpp that llama-cpp-python vendors) with `--spec-type
@@ -54,8 +57,8 @@ MARK = "BENCH_LOOKUP "
 MODELS_DIR = Path(os.environ.get("LOCALRUN_TEST_MODELS", "~/.cache/localrun/test-models")).expanduser()
 MODELS = {"smollm2": "smollm2-135m-instruct-q4_1.gguf", "gemma": "gemma-3-270m-q4_k_m.gguf",
           "qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
-ENGINES = ["lr_lookup", "lr_exact", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
-DEFAULT_ENGINES = [e for e in ENGINES if e != "lr_exact"]
+ENGINES = ["lr_lookup", "lr_exact", "lr_noedit", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
+DEFAULT_ENGINES = [e for e in ENGINES if e not in ("lr_exact", "lr_noedit")]
 SERVER_SPEC = {"ls_plain": [], "ls_simple": ["--spec-type", "ngram-simple"], "ls_mod": ["--spec-type", "ngram-mod"]}
 # (label, lookup-on engine, lookup-off engine) whose texts the identity check compares
 IDENTITY_PAIRS = [("localrun", "lr_lookup", "lr_plain"), ("localrun-exact", "lr_exact", "lr_plain"),
@@ -202,6 +205,7 @@ def make_engines(job, eng, stops, servers, log_dir):
         return run
 
     makers = {"lr_lookup": lambda: localrun(True), "lr_exact": lambda: localrun(LookupConfig(exact_greedy=True)),
+              "lr_noedit": lambda: localrun(LookupConfig(learn_edits=False)),
               "lr_plain": lambda: localrun(False),
               "ls_simple": lambda: llama_server("ls_simple"), "ls_mod": lambda: llama_server("ls_mod"),
               "ls_plain": lambda: llama_server("ls_plain"),
@@ -349,10 +353,10 @@ def _f(x, spec=".2f"):
 # ratio column -> (numerator engine, denominator engine)
 RATIOS = {"LU/off": ("lr_lookup", "lr_plain"), "LU/simple": ("lr_lookup", "ls_simple"),
           "LU/mod": ("lr_lookup", "ls_mod"), "LU/lcpLU": ("lr_lookup", "lcpp_lookup"),
-          "LU/exact": ("lr_lookup", "lr_exact"),
+          "LU/exact": ("lr_lookup", "lr_exact"), "LU/noedit": ("lr_lookup", "lr_noedit"),
           "simple/none": ("ls_simple", "ls_plain"), "mod/none": ("ls_mod", "ls_plain"),
           "lcpLU/lcp": ("lcpp_lookup", "lcpp_plain")}
-DRAFTERS = ("lr_lookup", "lr_exact", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens
+DRAFTERS = ("lr_lookup", "lr_exact", "lr_noedit", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens
 
 
 def task_rows(label, w, tasks):

@@ -1,0 +1,138 @@
+"""Prompt lookup learns the edits an answer makes to the text it copies (a rename, a
+fixed word) and drafts them at the next occurrence: on literal token lists, through the
+draft controller, and through the engine with a scripted model that renames."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from localrun.engine import Engine
+from localrun.sampling import SamplingParams
+from localrun.lookup_edits import LearnedEdits
+from localrun.speculative import BatchDrift, DraftController, LookupConfig, NgramIndex
+
+from fakes import EOS, ScriptedBackend
+
+CHEAP = LookupConfig(measure_cost=False, cost_per_draft=0.1)  # drafts readily: the tests are about what
+
+
+def write(controller: DraftController, prompt: list[int], answer: list[int], room: int = 16):
+    """Let `answer` be written after `prompt` as the engine would with lookup: each step
+    verifies the controller's draft against the answer and keeps the agreeing part plus
+    the answer's next token. Returns (steps, where in the answer drafts failed, every
+    draft)."""
+    h = list(prompt) + answer[:1]  # the first token is pending
+    steps = 0
+    failed, drafts = [], []
+    while len(h) - len(prompt) < len(answer):
+        draft = controller.draft(h, room)
+        at = len(h) - len(prompt)  # where the draft's first token goes in the answer
+        kept = 0
+        while kept < len(draft) and at + kept < len(answer) and draft[kept] == answer[at + kept]:
+            kept += 1
+        if draft:
+            controller.record(len(draft), kept)
+            drafts.append(draft)
+        if kept < len(draft):
+            failed.append(at + kept)
+        h += answer[at : at + kept + 1]
+        steps += 1
+    return steps, failed, drafts
+
+
+# a "function" of 80 tokens in which the name 7 occurs four times, 20 tokens apart
+SOURCE = [t for i in range(4) for t in (7, *range(100 + 15 * i, 115 + 15 * i), 50, 51, 52, 53)]
+RENAMED = [8 if t == 7 else t for t in SOURCE]
+NAMES = [i for i, t in enumerate(SOURCE) if t == 7]  # 0, 20, 40, 60
+
+
+def at_names(failed: list[int]) -> list[int]:
+    """The failures at an occurrence of the name (a draft also fails at the answer's end,
+    where the copy goes on past it)."""
+    return [i for i in failed if i in NAMES]
+
+
+def test_a_rename_made_once_is_drafted_at_every_later_occurrence():
+    c = DraftController(CHEAP)
+    steps, failed, drafts = write(c, [1, 2, *SOURCE, 3, 4], [*RENAMED, EOS])
+    assert len(c.edits) == 1
+    # the first occurrence is the answer's first token (no draft there); a draft failed at
+    # the second, where the rename was still unknown, and no draft failed at the others
+    assert at_names(failed) == [20]
+    assert sum(d.count(8) for d in drafts) >= 2  # later occurrences came drafted, renamed
+
+    baseline = DraftController(dataclasses.replace(CHEAP, learn_edits=False))  # each occurrence ends a draft
+    base_steps, base_failed, _ = write(baseline, [1, 2, *SOURCE, 3, 4], [*RENAMED, EOS])
+    assert len(at_names(base_failed)) >= 3
+    assert steps < base_steps
+
+
+def test_an_edit_learns_an_insertion_and_a_deletion():
+    edits = LearnedEdits()
+    #       source: 1 5 2 3 | answer: 1 5 9 2 3  (9 written after 5)
+    h = [1, 5, 2, 3, 6, 1, 5, 9, 2, 3]
+    edits.missed(source=2, answer=7)
+    edits.resync(h)
+    assert edits.copy(h, 0, 5)[0] == [1, 5, 9, 2, 3]
+    assert edits.copy(h, 5, 5)[0] == [1, 5, 9, 2, 3]  # the answer's own copy already has it: not twice
+
+    edits = LearnedEdits()
+    #       source: 1 5 4 2 3 | answer: 1 5 2 3  (4 left out)
+    h = [1, 5, 4, 2, 3, 6, 1, 5, 2, 3]
+    edits.missed(source=2, answer=8)
+    edits.resync(h)
+    assert edits.copy(h, 0, 4)[0] == [1, 5, 2, 3]
+
+
+def test_a_miss_the_answer_does_not_come_back_from_teaches_nothing():
+    edits = LearnedEdits()
+    h = [1, 5, 2, 3, 4, 6, 1, 5, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]  # the answer left the copy
+    edits.missed(source=2, answer=8)
+    edits.resync(h)
+    assert len(edits) == 0
+    assert edits._miss is None  # given up: too far past the miss
+
+
+def test_an_edit_the_answer_stops_making_is_forgotten():
+    c = DraftController(CHEAP)
+    # renamed at the first two occurrences, kept at the last two
+    answer = [8 if t == 7 and i < 40 else t for i, t in enumerate(SOURCE)]
+    _, failed, _ = write(c, [1, 2, *SOURCE, 3, 4], [*answer, EOS])
+    assert at_names(failed) == [20, 40]  # where the rename was new, and where it first was not made
+    assert len(c.edits) == 0
+
+
+def test_a_match_goes_on_behind_a_learned_edit():
+    # the tail after the rename matches the source for 2 tokens exactly, and for the whole
+    # line when the rename counts as agreement
+    h = [*SOURCE, 3, *RENAMED[:18]]
+    index = NgramIndex()
+    assert index.locate(h) == (17, 17)  # back to the renamed name, where the exact match stops
+    edits = LearnedEdits()
+    edits.missed(source=0, answer=len(SOURCE) + 1)
+    edits.resync(h[: len(SOURCE) + 5])  # a few tokens after the rename: 7 -> 8 is learned
+    assert len(edits) == 1
+    assert index.locate(h, edits) == (17, 18)
+
+
+def test_an_engine_drafts_a_rename_and_writes_what_it_writes_without_lookup():
+    prompt = [1, 2, *SOURCE, 3, 4]
+    answer = [*RENAMED, EOS]
+
+    def renaming_model(hist: list[int]) -> int:
+        i = len(hist) - len(prompt)
+        return answer[i] if 0 <= i < len(answer) else EOS
+
+    def run(lookup):
+        be = ScriptedBackend(script=renaming_model, n_ctx=256, n_batch=32)
+        eng = Engine(be)
+        eng.drift = BatchDrift.known(0.0)
+        events = list(eng.generate(prompt, sampling=SamplingParams(temperature=0), max_tokens=100, lookup=lookup))
+        return [t for e in events for t in e.tokens], len(be.calls)
+
+    plain, plain_calls = run(False)
+    learned, learned_calls = run(CHEAP)
+    unlearned, unlearned_calls = run(dataclasses.replace(CHEAP, learn_edits=False))
+    assert plain[: len(RENAMED)] == RENAMED
+    assert learned == unlearned == plain
+    assert learned_calls < unlearned_calls < plain_calls
