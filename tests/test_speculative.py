@@ -249,6 +249,30 @@ def test_step_cost_compares_each_width_with_one_row_steps_of_its_moment():
     assert cost.ratio(17, 0.5) == pytest.approx(5.0)  # still 100 / 20, not 100 / 10
 
 
+def test_a_step_slowed_by_load_does_not_make_its_width_look_dear():
+    cost = StepCost()
+    for ms in (10.0, 10.0, 10.0, 10.0, 45.0):  # the last one-row step lost the core for a while
+        cost.observe(1, ms)
+    cost.observe(4, 20.0)
+    assert cost.ratio(4, 0.5) == pytest.approx(2.0)  # against the one-row steps' median, not 17 ms
+    cost.observe(4, 70.0)  # a 4-row step that lost the core
+    assert cost.ratio(4, 0.5) == pytest.approx(2.0)
+    assert DraftController(LookupConfig(), cost).best_length(0.9, 3) == 3  # still pays at its real cost
+
+
+def test_a_width_judged_dear_is_measured_afresh_later():
+    cost = StepCost()
+    for _ in range(5):
+        cost.observe(1, 10.0)
+    cost.observe(4, 80.0)  # its only measurement, slowed: no draft of 3 would pay at 8 steps
+    assert cost.ratio(4, 0.25) == pytest.approx(8.0)
+    assert DraftController(LookupConfig(), cost).best_length(0.9, 3) == 0
+    for _ in range(StepCost.STALE_STEPS):
+        cost.observe(1, 10.0)
+    assert cost.ratio(4, 0.25) == pytest.approx(1.75)  # forgotten: the prior lets it be tried again
+    assert DraftController(LookupConfig(), cost).best_length(0.9, 3) == 3
+
+
 def test_controller_drafts_only_what_pays_at_the_measured_cost():
     cost = StepCost()
     for _ in range(10):

@@ -11,6 +11,7 @@ import gc
 import time
 
 import pytest
+from textual.widgets import ProgressBar
 
 from localrun.cli import build_parser
 from localrun.sampling import SamplingParams
@@ -199,7 +200,8 @@ async def test_switch_model_in_the_picker(tui_env):
         real_load = app.session.load
 
         def load_and_look(path, name=None):  # what the screen showed while the model loaded
-            seen_while_loading.append((app.query_one("#loading").display, app.status.values.state))
+            bar = app.query_one("#loading", ProgressBar)
+            seen_while_loading.append((bar.display, bar.total is None, app.status.values.state))
             real_load(path, name)
 
         app.session.load = load_and_look
@@ -207,8 +209,10 @@ async def test_switch_model_in_the_picker(tui_env):
         await pilot.press("enter")
         await pilot.pause(0.05)
         await loaded(pilot)
-        assert seen_while_loading == [(True, "loading…")]  # a progress bar and the state
-        assert not app.query_one("#loading").display
+        assert seen_while_loading == [(True, True, "loading…")]  # an animated progress bar and the state
+        bar = app.query_one("#loading", ProgressBar)
+        assert not bar.display
+        assert bar.total is not None  # not animating: its timer would fire all through every answer
 
         assert app.session.model_name == GEMMA_NAME
         assert app.session.engine.info.architecture.startswith("gemma")

@@ -174,7 +174,7 @@ class ChatApp(SlashCommands, App):
         # wait that long for a frame being drawn
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_S))
-        self.query_one("#loading").display = False
+        self._show_loading(False)
         self.query_one(PromptInput).focus()
         if self._initial_model is not None:
             self.load_model(*self._initial_model)
@@ -185,6 +185,14 @@ class ChatApp(SlashCommands, App):
         self._collector.release()  # quit mid-answer: the process may go on (a test, an embedder)
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
+
+    def _show_loading(self, shown: bool) -> None:
+        """Show the loading bar, animated, or hide it. A hidden bar is also given a total:
+        an indeterminate bar animates on a 15 Hz timer that keeps firing while it is
+        hidden, on the UI thread, all through every answer."""
+        bar = self.query_one("#loading", ProgressBar)
+        bar.update(total=None if shown else 1)
+        bar.display = shown
 
     @property
     def status(self) -> StatusBar:
@@ -209,7 +217,7 @@ class ChatApp(SlashCommands, App):
         if self.generating:
             self._cancel.set()  # the load waits for the answer to stop (session lock)
         self.loading = True
-        self.query_one("#loading").display = True
+        self._show_loading(True)
         self.status.update_values(model=name, quant="", state="loading…", timings=None, n_ctx=0, ctx_used=0)
         self._load(path, name)
 
@@ -229,7 +237,7 @@ class ChatApp(SlashCommands, App):
 
     def on_model_loaded(self, msg: ModelLoaded) -> None:
         self.loading = False
-        self.query_one("#loading").display = False
+        self._show_loading(False)
         if msg.error:
             if self._initial_model is not None and self.session.engine is None and not self.messages:
                 self.startup_error = msg.error  # `localrun chat BAD` ends with one error line
