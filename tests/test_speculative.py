@@ -254,7 +254,7 @@ def test_a_step_slowed_by_load_does_not_make_its_width_look_dear():
     for ms in (10.0, 10.0, 10.0, 10.0, 45.0):  # the last one-row step lost the core for a while
         cost.observe(1, ms)
     cost.observe(4, 20.0)
-    assert cost.ratio(4, 0.5) == pytest.approx(2.0)  # against the one-row steps' median, not 17 ms
+    assert cost.ratio(4, 0.5) == pytest.approx(2.0)  # 20 ms over their median (10), not over an average lifted by the 45
     cost.observe(4, 70.0)  # a 4-row step that lost the core
     assert cost.ratio(4, 0.5) == pytest.approx(2.0)
     assert DraftController(LookupConfig(), cost).best_length(0.9, 3) == 3  # still pays at its real cost
