@@ -87,22 +87,27 @@ class LearnedEdits:
                 return old, new
         return None
 
-    def copy(self, history: list[int], start: int, k: int) -> tuple[list[int], list[tuple[int, Edit | None]]]:
+    def copy(self, history: list[int], start: int, k: int, loop: bool = False) -> tuple[list[int], list[tuple[int, Edit | None]]]:
         """Up to k tokens copied from history[start:] with the learned edits made, and
-        where each came from: (source index, the edit that wrote it or None)."""
+        where each came from: (source index, the edit that wrote it or None). A copy that
+        reaches the history's end goes on copying what it drafted, as the answer would if
+        it repeats itself: behind a match that ends d tokens back, a loop of period d
+        drafts k tokens, not d - 1."""
         out: list[int] = []
         origins: list[tuple[int, Edit | None]] = []
-        i, n = start, len(history)
-        while len(out) < k and i < n:
-            edit = self._at(history, i) if self._count else None
-            if edit is None:
-                out.append(history[i])
-                origins.append((i, None))
-                i += 1
-            else:
-                out.extend(edit[1])
-                origins.extend((i, edit) for _ in edit[1])
-                i += len(edit[0])
+        text, i = history, start  # text: the history, then the history and the draft so far
+        while len(out) < k:
+            if i >= len(text):
+                if not loop or text is not history or not out:
+                    break
+                text = history + out
+            edit = self._at(text, i) if self._count else None
+            wrote = (text[i],) if edit is None else edit[1]
+            out.extend(wrote)
+            origins.extend((i, edit) for _ in wrote)
+            if text is not history:
+                text.extend(wrote)
+            i += 1 if edit is None else len(edit[0])
         return out[:k], origins[:k]
 
     def extend(self, history: list[int], a: int, b: int, length: int, limit: int) -> int:

@@ -348,6 +348,18 @@ def test_a_new_generation_starts_from_the_models_record_until_its_own_drafts_fai
     assert after_edits.rate(band) <= Acceptance().rate(band)  # the edits' record no longer lifts it
 
 
+def test_a_draft_goes_around_a_loop_the_answer_repeats():
+    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.05))
+    loop = [11, 12, 13, 14]
+    h = [1, 2, 3] + loop * 3 + loop[:2]  # the tail has gone around a 4-token loop three times
+    assert c.draft(h, 10) == (loop[2:] + loop * 2)[:10]  # not just the 3 tokens up to the end
+    once = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
+    phrase = list(range(20, 40))
+    h = [1, 2, 3] + phrase + [9] + phrase  # a 20-token phrase, repeated once
+    draft = once.draft(h, 30)
+    assert 0 < len(draft) <= 21 and draft == ([9] + phrase)[:len(draft)]  # stops where the history ends
+
+
 def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_before():
     cfg = LookupConfig(measure_cost=False, cost_per_draft=0.25)
     copy = list(range(100, 200))

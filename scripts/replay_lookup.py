@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Prompt lookup's step plans without the machine's noise: each test model's greedy
+answers to the lookup tasks are replayed through localrun's draft controller and through
+llama-server's ngram-simple rule, and each plan is costed with one table of measured
+step times (a step of r rows, over a one-row step's).
+
+    python scripts/replay_lookup.py                  # all three test models
+    python scripts/replay_lookup.py --models gemma --max-tokens 160
+
+Why: decode speed on a shared 2-core machine moves by +-15% from run to run, more than
+what separates two drafting rules, and where a wide step's row breaks a near-tie the
+other way, the answer itself changes (see localrun/speculative.py, "Temperature 0").
+Here every rule drafts against the same answer (the one lookup off gives), the verdict
+on a draft is how far it agrees with that answer, and a plan costs the sum of its steps'
+measured ratios. So "x" below is what a plan would decode at over lookup off if a step
+took exactly its measured time, and two rules' x differ only by their plans.
+
+The ngram-simple rule, as llama-server's documentation and defaults give it: draft when
+the last 12 tokens occurred earlier; the draft is what followed the most recent such
+occurrence, up to 48 tokens, and nothing when fewer than 12 followed.
+
+Tasks run in scripts/bench_lookup.py's order, `--rounds` times through, with one model
+acceptance record carried across them as one engine carries it; the last round is
+printed (the plans of a session under way, as the benchmark's repeats see them).
+"""
+
+from __future__ import annotations
+
+import argparse, json, statistics, sys, time
+from pathlib import Path
+
+import numpy as np
+
+from bench_lookup import MODELS, _geo, resolve_model
+from lookup_tasks import TASKS, prompt_texts
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 20, 24, 28, 33, 40, 49)
+SIMPLE_MATCH, SIMPLE_DRAFT = 12, 48  # ngram-simple's defaults: lookup n-gram, longest draft
+
+
+class CostTable:
+    """Measured step time by rows, over a one-row step's; stands in for StepCost."""
+
+    def __init__(self, ratios: dict[int, float]) -> None:
+        self.widths = sorted(ratios)
+        self.ratios = [ratios[w] for w in self.widths]
+
+    def ratio(self, rows: int, prior_per_row: float = 0.0) -> float:
+        return float(np.interp(rows, self.widths, self.ratios))
+
+    def observe(self, rows: int, ms: float) -> None:  # a replay has no clock
+        pass
+
+
+def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
+    """Greedy answers (lookup off) to every task, and the step-cost table, for one model."""
+    from localrun.backends.base import BatchEntry
+    from localrun.engine import Engine
+    from localrun.sampling import SamplingParams
+
+    eng = Engine.open(path, n_ctx=4096, threads=threads)
+    try:
+        chat = eng.info.chat_template is not None
+        texts = prompt_texts(chat)
+        prompts = {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
+                   for n, t in texts.items() if n in TASKS}
+        answers = {}
+        for name, prompt in prompts.items():
+            eng.backend.kv_clear(0)
+            res = eng.complete(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens, lookup=False)
+            answers[name] = (list(prompt), list(res.tokens))
+        # step times after the longest prompt, every width in turn, `reps` rounds (medians)
+        be, prompt = eng.backend, max(prompts.values(), key=len)
+        be.kv_clear(0)
+        for pos in range(0, len(prompt), be.n_batch):
+            be.decode([BatchEntry(0, prompt[pos:pos + be.n_batch], pos, 0)])
+        times: dict[int, list[float]] = {w: [] for w in WIDTHS}
+        for _ in range(reps):
+            for w in WIDTHS:
+                t0 = time.perf_counter()
+                be.decode([BatchEntry(0, (prompt * 2)[:w], len(prompt), w)])
+                times[w].append(time.perf_counter() - t0)
+                be.kv_trim(0, len(prompt))
+        one = statistics.median(times[1])
+        return {"answers": answers, "cost": {w: statistics.median(t) / one for w, t in times.items()}}
+    finally:
+        eng.close()
+
+
+def ngram_simple(history: list[int], room: int) -> list[int]:
+    """llama-server's ngram-simple draft for a history whose last token is the pending one."""
+    n, seen = SIMPLE_MATCH, len(history) - 1  # tokens before the pending one
+    if seen <= n + SIMPLE_DRAFT + 1:
+        return []
+    tail = history[-n:]
+    for start in range(seen - n - 1, 0, -1):
+        if history[start:start + n] == tail:
+            take = min(SIMPLE_DRAFT, seen - (start + n), room)
+            return history[start + n:start + n + take] if take >= n else []
+    return []
+
+
+def _agreed(draft: list[int], truth: list[int]) -> int:
+    k = 0
+    while k < len(draft) and k < len(truth) and draft[k] == truth[k]:
+        k += 1
+    return k
+
+
+def replay(rule: str, prompt: list[int], answer: list[int], cost: CostTable, model_acceptance, max_tokens: int):
+    """(cost in one-row steps, steps, accepted, drafted) of answering with `rule`. The
+    first token comes from the prompt's step, as in the engine; each decode step then
+    feeds the pending token and a draft, and yields the draft's agreeing prefix plus one."""
+    from localrun.speculative import DraftController, LookupConfig
+
+    ctrl = DraftController(LookupConfig(), cost, model_acceptance) if rule == "localrun" else None
+    truth = answer + [-1]  # nothing drafts past the answer's end
+    pos, spent, steps, accepted, drafted = 1, 0.0, 0, 0, 0
+    while pos < len(answer):
+        history, room = prompt + answer[:pos], max_tokens - pos - 1
+        draft = [] if room <= 0 else ngram_simple(history, room) if ctrl is None else ctrl.draft(history, room)
+        kept = _agreed(draft, truth[pos:])
+        if ctrl is not None and draft:
+            ctrl.record(len(draft), kept)
+        spent += cost.ratio(len(draft) + 1)
+        steps, accepted, drafted, pos = steps + 1, accepted + kept, drafted + len(draft), pos + kept + 1
+    return spent, steps, accepted, drafted
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), help=f"short names {list(MODELS)} or paths")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="threads of the measured steps (default 1)")
+    ap.add_argument("--cost-reps", type=int, default=7, help="timed rounds over the widths (medians)")
+    ap.add_argument("--rounds", type=int, default=2, help="times through the tasks; the last is printed")
+    ap.add_argument("--out", help="write answers, cost tables and plans as JSON")
+    ap.add_argument("--load", help="replay the answers and cost tables of an earlier --out instead of "
+                    "measuring (two versions of the controller judged on the same table)")
+    args = ap.parse_args(argv)
+    from localrun.speculative import Acceptance
+
+    loaded = json.loads(Path(args.load).read_text()) if args.load else {}
+    resolved = [resolve_model(m) for m in (list(loaded) or args.models)]
+    missing = [str(p) for label, p in resolved if not p.exists() and label not in loaded]
+    if missing:
+        print(f"error: no model file {', '.join(missing)}: run scripts/fetch_test_models.py", file=sys.stderr)
+        return 2
+    report = {}
+    print(f"x = lookup off's steps / the plan's cost in one-row steps; a/d = accepted/drafted; "
+          f"{args.max_tokens} tokens, round {args.rounds} of {args.rounds}")
+    for label, path in resolved:
+        if label in loaded:
+            data = {"answers": loaded[label]["answers"], "cost": {int(w): r for w, r in loaded[label]["cost"].items()}}
+        else:
+            data = measure(path, args.max_tokens, args.threads, args.cost_reps)
+        cost = CostTable(data["cost"])
+        print(f"\n{label}: step cost by rows " + " ".join(f"{w}:{r:.1f}" for w, r in data["cost"].items()))
+        print(f"  {'task':<9}{'localrun x':>11}{'a/d':>10}{'simple x':>10}{'a/d':>10}{'LU/simple':>11}")
+        model_acceptance, rows = Acceptance(), {}
+        for _ in range(args.rounds):
+            for name in TASKS:
+                prompt, answer = data["answers"][name]
+                rows[name] = {rule: replay(rule, prompt, answer, cost, model_acceptance, args.max_tokens)
+                              for rule in ("localrun", "simple")}
+        ratios: dict[str, list[tuple[float, float]]] = {}
+        for name, r in rows.items():
+            plain = len(data["answers"][name][1]) - 1
+            lu, simple = plain / r["localrun"][0], plain / r["simple"][0]
+            ratios.setdefault(TASKS[name][0], []).append((lu, lu / simple))
+            print(f"  {name:<9}{lu:>10.2f}x{r['localrun'][2]:>5}/{r['localrun'][3]:<4}{simple:>9.2f}x"
+                  f"{r['simple'][2]:>5}/{r['simple'][3]:<4}{lu / simple:>11.2f}")
+        for group, pairs in ratios.items():
+            x, vs = [p[0] for p in pairs], [p[1] for p in pairs]
+            print(f"  {group}: localrun x {_geo(x):.2f} (lowest {min(x):.2f}), "
+                  f"LU/simple {_geo(vs):.2f} (lowest {min(vs):.2f}), geometric means")
+        report[label] = {"answers": data["answers"], "cost": data["cost"], "plans": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
