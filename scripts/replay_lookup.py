@@ -39,7 +39,8 @@ SIMPLE_MATCH, SIMPLE_DRAFT = 12, 48  # ngram-simple's defaults: lookup n-gram, l
 
 
 class CostTable:
-    """Measured step time by rows, over a one-row step's; stands in for StepCost."""
+    """Measured step time by rows, over a one-row step's; stands in for StepCost (the
+    controller only reads it: the engine, absent here, is what records step times)."""
 
     def __init__(self, ratios: dict[int, float]) -> None:
         self.widths = sorted(ratios)
@@ -47,9 +48,6 @@ class CostTable:
 
     def ratio(self, rows: int, prior_per_row: float = 0.0) -> float:
         return float(np.interp(rows, self.widths, self.ratios))
-
-    def observe(self, rows: int, ms: float) -> None:  # a replay has no clock
-        pass
 
 
 def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
