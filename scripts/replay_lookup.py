@@ -138,6 +138,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from localrun.speculative import Acceptance
 
+    if args.load and not Path(args.load).is_file():
+        print(f"error: no file {args.load}: give a file that an earlier run wrote with --out", file=sys.stderr)
+        return 2
     loaded = json.loads(Path(args.load).read_text()) if args.load else {}
     resolved = [resolve_model(m) for m in (list(loaded) or args.models)]
     missing = [str(p) for label, p in resolved if not p.exists() and label not in loaded]
