@@ -98,17 +98,11 @@ def ngram_simple(history: list[int], room: int) -> list[int]:
     return []
 
 
-def _agreed(draft: list[int], truth: list[int]) -> int:
-    k = 0
-    while k < len(draft) and k < len(truth) and draft[k] == truth[k]:
-        k += 1
-    return k
-
-
 def replay(rule: str, prompt: list[int], answer: list[int], cost: CostTable, model_acceptance, max_tokens: int):
     """(cost in one-row steps, steps, accepted, drafted) of answering with `rule`. The
     first token comes from the prompt's step, as in the engine; each decode step then
     feeds the pending token and a draft, and yields the draft's agreeing prefix plus one."""
+    from localrun.engine import _common_prefix
     from localrun.speculative import DraftController, LookupConfig
 
     ctrl = DraftController(LookupConfig(), cost, model_acceptance) if rule == "localrun" else None
@@ -117,7 +111,7 @@ def replay(rule: str, prompt: list[int], answer: list[int], cost: CostTable, mod
     while pos < len(answer):
         history, room = prompt + answer[:pos], max_tokens - pos - 1
         draft = [] if room <= 0 else ngram_simple(history, room) if ctrl is None else ctrl.draft(history, room)
-        kept = _agreed(draft, truth[pos:])
+        kept = _common_prefix(draft, truth[pos:])
         if ctrl is not None and draft:
             ctrl.record(len(draft), kept)
         spent += cost.ratio(len(draft) + 1)
