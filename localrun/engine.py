@@ -270,7 +270,8 @@ class Engine:
             return {}
         now = time.perf_counter()
         if len(feeds) == 1 and feeds[0].gen.decoding and feeds[0].entry.n_logits:
-            self.step_cost.observe(len(feeds[0].entry.tokens), (now - t0) * 1000)
+            self.step_cost.observe(len(feeds[0].entry.tokens), (now - t0) * 1000,
+                                   drafting=feeds[0].gen.lookup is not None)
         if len(feeds) > 1 and self.drift.calibrating and any(f.draft and _exact_greedy(f.gen) for f in feeds):
             # a calibrating step decodes again, into the buffer the others' rows may live in
             rows = [np.array(r) for r in rows]

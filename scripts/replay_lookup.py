@@ -15,13 +15,20 @@ on a draft is how far it agrees with that answer, and a plan costs the sum of it
 measured ratios. So "x" below is what a plan would decode at over lookup off if a step
 took exactly its measured time, and two rules' x differ only by their plans.
 
+The controller prices drafts as it does in the engine: with a StepCost it learns online,
+each replayed step observed at the table's time for its width (so a width it has not
+tried yet is priced by the prior, as in a fresh process, and the price of exploring shows).
+Between two answers, `--plain-between` one-row steps of a lookup-off answer pass through
+the same StepCost, as bench_lookup.py's plain runs share the engine with its lookup runs.
+
 The ngram-simple rule, as llama-server's documentation and defaults give it: draft when
 the last 12 tokens occurred earlier; the draft is what followed the most recent such
 occurrence, up to 48 tokens, and nothing when fewer than 12 followed.
 
-Tasks run in scripts/bench_lookup.py's order, `--rounds` times through, with one model
-acceptance record carried across them as one engine carries it; the last round is
-printed (the plans of a session under way, as the benchmark's repeats see them).
+Tasks run in scripts/bench_lookup.py's order, `--rounds` times through, after its warm-up
+(16 tokens of the first task), with one model acceptance record and one StepCost carried
+across them as one engine carries them; the last round is printed (the plans of a
+session under way, as the benchmark's repeats see them).
 """
 
 from __future__ import annotations
@@ -36,18 +43,38 @@ from lookup_tasks import TASKS, prompt_texts
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 20, 24, 28, 33, 40, 49)
 SIMPLE_MATCH, SIMPLE_DRAFT = 12, 48  # ngram-simple's defaults: lookup n-gram, longest draft
+WARM_TOKENS = 16  # bench_lookup.py's warm-up answer, plain and with lookup
 
 
 class CostTable:
-    """Measured step time by rows, over a one-row step's; stands in for StepCost (the
-    controller only reads it: the engine, absent here, is what records step times)."""
+    """Measured step time by rows, over a one-row step's: what each replayed step costs."""
 
     def __init__(self, ratios: dict[int, float]) -> None:
         self.widths = sorted(ratios)
         self.ratios = [ratios[w] for w in self.widths]
 
-    def ratio(self, rows: int, prior_per_row: float = 0.0) -> float:
+    def ratio(self, rows: int) -> float:
         return float(np.interp(rows, self.widths, self.ratios))
+
+
+class Session:
+    """What one engine carries from answer to answer for a model: the acceptance record,
+    and the StepCost the controller learns from the steps it sees."""
+
+    def __init__(self, table: CostTable) -> None:
+        from localrun.speculative import Acceptance, StepCost
+
+        self.table, self.acceptance, self.step_cost = table, Acceptance(), StepCost()
+
+    def step(self, rows: int, drafting: bool = True) -> float:
+        cost = self.table.ratio(rows)
+        self.step_cost.observe(rows, cost, drafting)  # in one-row steps, where the engine has ms
+        return cost
+
+    def plain_answer(self, steps: int) -> None:
+        """A lookup-off answer decoded on the same engine."""
+        for _ in range(steps):
+            self.step(1, drafting=False)
 
 
 def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
@@ -98,14 +125,14 @@ def ngram_simple(history: list[int], room: int) -> list[int]:
     return []
 
 
-def replay(rule: str, prompt: list[int], answer: list[int], cost: CostTable, model_acceptance, max_tokens: int):
+def replay(rule: str, prompt: list[int], answer: list[int], session: Session, max_tokens: int):
     """(cost in one-row steps, steps, accepted, drafted) of answering with `rule`. The
     first token comes from the prompt's step, as in the engine; each decode step then
     feeds the pending token and a draft, and yields the draft's agreeing prefix plus one."""
     from localrun.engine import _common_prefix
     from localrun.speculative import DraftController, LookupConfig
 
-    ctrl = DraftController(LookupConfig(), cost, model_acceptance) if rule == "localrun" else None
+    ctrl = DraftController(LookupConfig(), session.step_cost, session.acceptance) if rule == "localrun" else None
     truth = answer + [-1]  # nothing drafts past the answer's end
     pos, spent, steps, accepted, drafted = 1, 0.0, 0, 0, 0
     while pos < len(answer):
@@ -114,7 +141,8 @@ def replay(rule: str, prompt: list[int], answer: list[int], cost: CostTable, mod
         kept = _common_prefix(draft, truth[pos:])
         if ctrl is not None and draft:
             ctrl.record(len(draft), kept)
-        spent += cost.ratio(len(draft) + 1)
+        # ngram-simple's steps are llama-server's: the engine's StepCost never sees them
+        spent += session.step(len(draft) + 1) if ctrl is not None else session.table.ratio(len(draft) + 1)
         steps, accepted, drafted, pos = steps + 1, accepted + kept, drafted + len(draft), pos + kept + 1
     return spent, steps, accepted, drafted
 
@@ -126,12 +154,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="threads of the measured steps (default 1)")
     ap.add_argument("--cost-reps", type=int, default=7, help="timed rounds over the widths (medians)")
     ap.add_argument("--rounds", type=int, default=2, help="times through the tasks; the last is printed")
+    ap.add_argument("--plain-between", type=int, default=None,
+                    help="one-row steps of a lookup-off answer after each lookup answer (default: --max-tokens, "
+                    "as bench_lookup.py's plain run on the same engine; 0: a session with lookup always on)")
     ap.add_argument("--out", help="write answers, cost tables and plans as JSON")
     ap.add_argument("--load", help="replay the answers and cost tables of an earlier --out instead of "
                     "measuring (two versions of the controller judged on the same table)")
     args = ap.parse_args(argv)
-    from localrun.speculative import Acceptance
-
+    plain_between = args.max_tokens if args.plain_between is None else args.plain_between
     if args.load and not Path(args.load).is_file():
         print(f"error: no file {args.load}: give a file that an earlier run wrote with --out", file=sys.stderr)
         return 2
@@ -152,12 +182,16 @@ def main(argv=None) -> int:
         cost = CostTable(data["cost"])
         print(f"\n{label}: step cost by rows " + " ".join(f"{w}:{r:.1f}" for w, r in data["cost"].items()))
         print(f"  {'task':<9}{'localrun x':>11}{'a/d':>10}{'simple x':>10}{'a/d':>10}{'LU/simple':>11}")
-        model_acceptance, rows = Acceptance(), {}
+        session, rows = Session(cost), {}
+        first_prompt, first_answer = data["answers"][next(iter(TASKS))]
+        session.plain_answer(WARM_TOKENS)  # bench_lookup.py's warm-up: plain, then with lookup
+        replay("localrun", first_prompt, first_answer[:WARM_TOKENS], session, WARM_TOKENS)
         for _ in range(args.rounds):
             for name in TASKS:
                 prompt, answer = data["answers"][name]
-                rows[name] = {rule: replay(rule, prompt, answer, cost, model_acceptance, args.max_tokens)
+                rows[name] = {rule: replay(rule, prompt, answer, session, args.max_tokens)
                               for rule in ("localrun", "simple")}
+                session.plain_answer(plain_between)
         ratios: dict[str, list[tuple[float, float]]] = {}
         for name, r in rows.items():
             plain = len(data["answers"][name][1]) - 1

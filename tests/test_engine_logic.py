@@ -180,3 +180,19 @@ def test_n_probs_reports_alternatives_per_token():
     assert [len(e.top_probs) for e in with_tokens] == [1, 1]
     best_id, best_p = with_tokens[0].top_probs[0][0]
     assert best_id == ord("o") and best_p > 0.9 and len(with_tokens[0].top_probs[0]) == 3
+
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_only_a_generation_that_may_draft_ages_the_measured_step_costs(lookup):
+    """StepCost forgets a width after STALE_STEPS steps of generations that could have
+    drafted it again; a lookup-off answer's steps are not such steps."""
+    answer = np.random.default_rng(7).integers(65, 91, 300).astype(np.uint8).tobytes()  # few drafts pay
+    eng = Engine(ScriptedBackend(text_script(answer), n_ctx=1024))
+    for _ in range(5):
+        eng.step_cost.observe(1, 10.0)
+    eng.step_cost.observe(17, 68.0)
+    text, _ = collect(eng, "Q:", lookup=lookup)
+    assert len(text) == 300
+    measured = eng.step_cost.ratio(17, 0.25) == pytest.approx(6.8)
+    assert measured != lookup  # with lookup, past STALE_STEPS steps the width is forgotten

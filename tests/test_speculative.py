@@ -273,6 +273,21 @@ def test_a_width_judged_dear_is_measured_afresh_later():
     assert DraftController(LookupConfig(), cost).best_length(0.9, 3) == 3
 
 
+def test_only_steps_that_could_draft_age_a_width():
+    cost = StepCost()
+    for _ in range(5):
+        cost.observe(1, 10.0)
+    cost.observe(17, 68.0)
+    for _ in range(StepCost.STALE_STEPS):
+        cost.observe(1, 20.0, drafting=False)  # a lookup-off answer on a loaded machine
+    assert cost.ratio(17, 0.25) == pytest.approx(6.8)  # still known: nothing could re-measure it
+    cost.observe(17, 100.0)  # ...but its one-row time is the moment's: 100 / 20
+    assert cost.ratio(17, 0.25) == pytest.approx(5.0)
+    for _ in range(StepCost.STALE_STEPS):
+        cost.observe(1, 20.0)  # a drafting answer's steps
+    assert cost.ratio(17, 0.25) == pytest.approx(1 + 16 * 0.25)  # forgotten: the prior again
+
+
 def test_controller_drafts_only_what_pays_at_the_measured_cost():
     cost = StepCost()
     for _ in range(10):
