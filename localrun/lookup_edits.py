@@ -63,10 +63,14 @@ class LearnedEdits:
                     return
 
     def _learn(self, history: list[int], old: tuple[int, ...], new: tuple[int, ...], s: int, p: int) -> None:
-        if not old:  # an insertion: anchor it on the token before, which both copies share
+        if not old or not new:
+            # An insertion or a deletion: anchor it on the token before, which both copies
+            # share. Unanchored, a deletion would drop that token from every later copy:
+            # SmolLM2 wrote `append(("short", raw))` as `append("short", raw)`, and its
+            # drafts then wrote `float(parts[0])` as `floatparts[0])`.
             if s == 0 or history[s - 1] != history[p - 1]:
                 return
-            old, new = (history[s - 1],), (history[p - 1], *new)
+            old, new = (history[s - 1], *old), (history[p - 1], *new)
         if old != new and self._count < self.capacity and (old, new) not in self._by_first.get(old[0], ()):
             edits = self._by_first.setdefault(old[0], [])
             edits.append((old, new))
@@ -83,7 +87,8 @@ class LearnedEdits:
         """The edit to make to the source at i: none where the text already reads as
         edited (a copy of the answer's own earlier text)."""
         for old, new in self._by_first.get(history[i], ()):
-            if tuple(history[i : i + len(old)]) == old and (not new or tuple(history[i : i + len(new)]) != new):
+            # (a deletion's `new` is the start of its `old`: reading as it is no sign of an edit made)
+            if tuple(history[i : i + len(old)]) == old and (new == old[: len(new)] or tuple(history[i : i + len(new)]) != new):
                 return old, new
         return None
 

@@ -84,6 +84,16 @@ def test_an_edit_learns_an_insertion_and_a_deletion():
     assert edits.copy(h, 0, 4)[0] == [1, 5, 2, 3]
 
 
+def test_a_deletion_is_made_only_after_the_token_it_followed():
+    """`append((x))` written as `append(x)` drops the second `(`, not every `(`."""
+    edits = LearnedEdits()
+    #       source: 7 5 5 2 3 8 5 4 | answer: 7 5 2 3  (one 5 of two left out)
+    h = [7, 5, 5, 2, 3, 8, 5, 4, 6, 7, 5, 2, 3]
+    edits.missed(source=2, answer=11)
+    edits.resync(h)
+    assert edits.copy(h, 0, 8)[0] == [7, 5, 2, 3, 8, 5, 4, 6]  # the 5 after 8 is copied as it is
+
+
 def test_a_miss_the_answer_does_not_come_back_from_teaches_nothing():
     edits = LearnedEdits()
     h = [1, 5, 2, 3, 4, 6, 1, 5, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]  # the answer left the copy
