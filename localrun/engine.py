@@ -178,7 +178,7 @@ class Engine:
             timings=Timings(prompt_tokens=len(tokens), cached_tokens=n_keep),
         )
         if request.lookup.enabled:
-            gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance)
+            gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance, answer_start=len(tokens))
         if request.tools:  # prepare() built and compiled it: cache hits
             grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))

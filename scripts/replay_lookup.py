@@ -132,7 +132,8 @@ def replay(rule: str, prompt: list[int], answer: list[int], session: Session, ma
     from localrun.engine import _common_prefix
     from localrun.speculative import DraftController, LookupConfig
 
-    ctrl = DraftController(LookupConfig(), session.step_cost, session.acceptance) if rule == "localrun" else None
+    ctrl = (DraftController(LookupConfig(), session.step_cost, session.acceptance, answer_start=len(prompt))
+            if rule == "localrun" else None)
     truth = answer + [-1]  # nothing drafts past the answer's end
     pos, spent, steps, accepted, drafted = 1, 0.0, 0, 0, 0
     while pos < len(answer):

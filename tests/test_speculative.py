@@ -375,6 +375,19 @@ def test_a_draft_goes_around_a_loop_the_answer_repeats():
     assert 0 < len(draft) <= 21 and draft == ([9] + phrase)[:len(draft)]  # stops where the history ends
 
 
+def test_a_phrase_the_answer_repeats_drafts_shorter_than_a_copy_of_the_prompt():
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.05)
+    phrase = list(range(100, 140))
+    h = [1, 2] + phrase + [3] + phrase[:10]  # 10 tokens agree with an earlier 40-token span
+    copying = DraftController(cfg, answer_start=len(h) - 10).draft(h, 30)  # the span is in the prompt
+    repeating = DraftController(cfg, answer_start=1).draft(h, 30)  # the span is the answer's own
+    assert copying == phrase[10:10 + len(copying)] and repeating == phrase[10:10 + len(repeating)]
+    assert 0 < len(repeating) < len(copying)
+    loop = [11, 12, 13, 14]
+    h = [1, 2, 3] + loop * 3 + loop[:2]
+    assert len(DraftController(cfg, answer_start=1).draft(h, 10)) == 10  # a loop goes on as a copy does
+
+
 def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_before():
     cfg = LookupConfig(measure_cost=False, cost_per_draft=0.25)
     copy = list(range(100, 200))
