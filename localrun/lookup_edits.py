@@ -87,8 +87,10 @@ class LearnedEdits:
         """The edit to make to the source at i: none where the text already reads as
         edited (a copy of the answer's own earlier text)."""
         for old, new in self._by_first.get(history[i], ()):
-            # (a deletion's `new` is the start of its `old`: reading as it is no sign of an edit made)
-            if tuple(history[i : i + len(old)]) == old and (new == old[: len(new)] or tuple(history[i : i + len(new)]) != new):
+            if tuple(history[i : i + len(old)]) != old:
+                continue
+            # a deletion's `new` is the start of its `old`: reading so is no sign of the edit made
+            if new == old[: len(new)] or tuple(history[i : i + len(new)]) != new:
                 return old, new
         return None
 
