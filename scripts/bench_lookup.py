@@ -300,14 +300,17 @@ def identity_runs(job, eng, engines, prompts, runs, stops):
         print(f"  identity {n:<9}" + "".join(f" {e} {len(t)}" for e, t in out[n].items()), file=sys.stderr, flush=True)
 
     def gap_at(prompt, plain, lk, i):
-        """Replay the no-lookup run exactly (prefill in n_batch chunks, then one token per
-        decode, as Engine.step does) to read the logits row that chose token i."""
+        """Replay the no-lookup run exactly (the prompt but its last token in n_batch
+        chunks, then one token per decode from that last token on, as Engine.step does)
+        to read the logits row that chose token i."""
         be, pos = eng.backend, 0
         be.kv_clear(0)
-        while pos < len(prompt):
-            chunk = prompt[pos:pos + be.n_batch]
-            rows = be.decode([BatchEntry(0, chunk, pos, int(pos + len(chunk) == len(prompt)))])
+        while pos < len(prompt) - 1:
+            chunk = prompt[pos:min(pos + be.n_batch, len(prompt) - 1)]
+            be.decode([BatchEntry(0, chunk, pos, 0)])
             pos += len(chunk)
+        rows = be.decode([BatchEntry(0, [prompt[-1]], pos, 1)])
+        pos += 1
         for t in plain[:i]:
             rows = be.decode([BatchEntry(0, [t], pos, 1)])
             pos += 1
