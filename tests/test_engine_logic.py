@@ -8,6 +8,7 @@ import pytest
 from localrun.engine import Engine
 from localrun.errors import BadRequestError, ContextExceededError
 from localrun.sampling import SamplingParams
+from localrun.speculative import StepCost
 
 from fakes import EOS, N_VOCAB, ScriptedBackend, text_script
 
@@ -182,17 +183,18 @@ def test_n_probs_reports_alternatives_per_token():
     assert best_id == ord("o") and best_p > 0.9 and len(with_tokens[0].top_probs[0]) == 3
 
 
-
 @pytest.mark.parametrize("lookup", [False, True])
 def test_only_a_generation_that_may_draft_ages_the_measured_step_costs(lookup):
     """StepCost forgets a width after STALE_STEPS steps of generations that could have
     drafted it again; a lookup-off answer's steps are not such steps."""
-    answer = np.random.default_rng(7).integers(65, 91, 300).astype(np.uint8).tobytes()  # few drafts pay
+    answer = np.random.default_rng(7).integers(65, 91, 400).astype(np.uint8).tobytes()  # few drafts pass
     eng = Engine(ScriptedBackend(text_script(answer), n_ctx=1024))
     for _ in range(5):
         eng.step_cost.observe(1, 10.0)
     eng.step_cost.observe(17, 68.0)
-    text, _ = collect(eng, "Q:", lookup=lookup)
-    assert len(text) == 300
-    measured = eng.step_cost.ratio(17, 0.25) == pytest.approx(6.8)
-    assert measured != lookup  # with lookup, past STALE_STEPS steps the width is forgotten
+    text, events = collect(eng, "Q:", lookup=lookup)
+    assert len(text) == 400 and events[-1].timings.steps > StepCost.STALE_STEPS
+    if lookup:  # forgotten (or measured afresh) after STALE_STEPS steps that could have drafted it
+        assert eng.step_cost.ratio(17, 0.25) != pytest.approx(6.8)
+    else:
+        assert eng.step_cost.ratio(17, 0.25) == pytest.approx(6.8)
