@@ -94,7 +94,8 @@ class LearnedEdits:
                 return old, new
         return None
 
-    def copy(self, history: list[int], start: int, k: int, loop: bool = False) -> tuple[list[int], list[tuple[int, Edit | None]]]:
+    def copy(self, history: list[int], start: int, k: int,
+             loop: bool = False) -> tuple[list[int], list[tuple[int, Edit | None]]]:
         """Up to k tokens copied from history[start:] with the learned edits made, and
         where each came from: (source index, the edit that wrote it or None). A copy that
         reaches the history's end goes on copying what it drafted, as the answer would if

@@ -390,7 +390,8 @@ class DraftController:
         expected, term = 1.0, 1.0
         for k in range(1, available + 1):
             term *= rate
-            # 1 + rate + ... + rate**k: the tokens a k-draft step yields on average
+            # the tokens a k-draft step yields on average: 1 + rate + ... + rate**k, each
+            # term scaled by the phrase-repeat odds when it continues the answer's own text
             expected += term if repeat_of is None else term * repeat_of / (repeat_of + k)
             gain = expected / self.row_cost(k + 1)
             if gain > best_gain:
