@@ -372,12 +372,17 @@ def task_rows(label, w, tasks):
         drafts = {e: (sum(x["accepted"] for x in runs[e]) / len(runs[e]), sum(x["drafted"] for x in runs[e]) / len(runs[e]))
                   for e in DRAFTERS if e in runs}
         on = runs.get("lr_lookup")
+        first = {e: rs[0]["tokens"] for e, rs in runs.items()}
         rows.append({
             "model": label, "task": n, "group": TASKS[n][0], "prompt_tokens": w["prompt_tokens"][n],
             "generated": len(next(iter(runs.values()))[0]["tokens"]), "decode_tps": tps, "ratios": ratios,
             "drafts_per_run": drafts,
             "lr_tokens_per_step": sum(x["generated"] for x in on) / max(1, sum(x["steps"] for x in on)) if on else None,
             "stable_across_repeats": w["stable_across_repeats"][n],
+            # lookup's answer is not lookup off's (a near-tie broken the other way in a wide
+            # step): the engines then decode different texts, and their speeds compare less
+            "lookup_changed_text": (first["lr_lookup"] != first["lr_plain"]
+                                    if "lr_lookup" in first and "lr_plain" in first else None),
             "tps_runs": {e: [x["decode_tps"] for x in rs] for e, rs in runs.items()},
             "text_lookup": w["text_lookup"].get(n)})
     return rows
@@ -408,9 +413,11 @@ def print_tables(rows, args, engines):
               + "".join(f"{'%.0f/%.0f' % d[e]:>11}" for e in DRAFTERS if e in d))
     cols = [k for k, (a, b) in RATIOS.items() if a in engines and b in engines]
     hdr = f"{'model':<9}{'task':<14}" + "".join(f"{k:>12}" for k in cols)
-    print(f"\nratios of decode tok/s (LU = localrun lookup; >1: the first is faster)\n{hdr}\n" + "-" * len(hdr))
+    print(f"\nratios of decode tok/s (LU = localrun lookup; >1: the first is faster; (text): lookup's answer "
+          f"differs from lookup off's, so the engines decoded different texts)\n{hdr}\n" + "-" * len(hdr))
     for r in rows:
-        print(f"{r['model']:<9}{r['task']:<14}" + "".join(f"{_f(r['ratios'][k]):>12}" for k in cols))
+        task = r["task"] + (" (text)" if r["lookup_changed_text"] else "")
+        print(f"{r['model']:<9}{task:<14}" + "".join(f"{_f(r['ratios'][k]):>12}" for k in cols))
     summary = {}
     for m in dict.fromkeys(r["model"] for r in rows):
         for g in ("grounded", "chat"):
