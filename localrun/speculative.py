@@ -48,7 +48,9 @@ on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/batch_drift.py). Without all
 but prompt reading gets 1.1x (Q4_1) to 2.1x (K-quants) slower and a wide step 1.6-1.9x
 dearer, so localrun keeps the fast kernels. By default a greedy token is taken from a
 wide step's row as from a one-row step: a near-tie can go the other way than without
-lookup (measured: 26-28 of 36 answers identical in three runs, scripts/bench_lookup.py). With
+lookup (measured: 26-28 of 36 answers identical from run to run, scripts/bench_lookup.py;
+llama-server's n-gram modes kept 34 of the 36 in one same run, drafting only behind a
+12-token match, so that open chats rarely take a wide step). With
 `LookupConfig(exact_greedy=True)` it bounds the kernels' effect instead: `BatchDrift`
 measures the drift on the first speculative steps of a model (by recomputing them one
 row at a time, which also decides those tokens exactly), and from then on a greedy
@@ -57,6 +59,10 @@ over the measured drift; otherwise the step stops there and a one-row step decid
 draft's judge counts that stop as a rejection: the rows after it are lost all the same).
 That protects the wide rows but not the KV cache of kept drafts, which later rows read:
 it kept 28-29 of the same 36 answers identical, at 1.23-1.34x the grounded tasks' time.
+A fixed lead without the measuring did no better: with 0.2 or 0.5 logits, 28 and 29 of
+36, and Gemma-3's rename still parted from lookup off at the same token (its top two 0.07
+apart without lookup): a wide row would have had to move by more than 0.57 for the lead
+to let it through, so the KV cache is the likelier cause.
 """
 
 from __future__ import annotations
