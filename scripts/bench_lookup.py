@@ -379,8 +379,9 @@ def task_rows(label, w, tasks):
             "drafts_per_run": drafts,
             "lr_tokens_per_step": sum(x["generated"] for x in on) / max(1, sum(x["steps"] for x in on)) if on else None,
             "stable_across_repeats": w["stable_across_repeats"][n],
-            # lookup's answer is not lookup off's (a near-tie broken the other way in a wide
-            # step): the engines then decode different texts, and their speeds compare less
+            # lookup's answer is not lookup off's (a near-tie that wide steps, through their
+            # rows or the KV they wrote, broke the other way): the engines then decode
+            # different texts, and their speeds compare less
             "lookup_changed_text": (first["lr_lookup"] != first["lr_plain"]
                                     if "lr_lookup" in first and "lr_plain" in first else None),
             "tps_runs": {e: [x["decode_tps"] for x in rs] for e, rs in runs.items()},
