@@ -372,18 +372,16 @@ def task_rows(label, w, tasks):
         drafts = {e: (sum(x["accepted"] for x in runs[e]) / len(runs[e]), sum(x["drafted"] for x in runs[e]) / len(runs[e]))
                   for e in DRAFTERS if e in runs}
         on = runs.get("lr_lookup")
-        first = {e: rs[0]["tokens"] for e, rs in runs.items()}
         rows.append({
             "model": label, "task": n, "group": TASKS[n][0], "prompt_tokens": w["prompt_tokens"][n],
             "generated": len(next(iter(runs.values()))[0]["tokens"]), "decode_tps": tps, "ratios": ratios,
             "drafts_per_run": drafts,
             "lr_tokens_per_step": sum(x["generated"] for x in on) / max(1, sum(x["steps"] for x in on)) if on else None,
             "stable_across_repeats": w["stable_across_repeats"][n],
-            # lookup's answer is not lookup off's (a near-tie that wide steps, through their
-            # rows or the KV they wrote, broke the other way): the engines then decode
-            # different texts, and their speeds compare less
-            "lookup_changed_text": (first["lr_lookup"] != first["lr_plain"]
-                                    if "lr_lookup" in first and "lr_plain" in first else None),
+            # the identity check found lookup's answer not lookup off's (a near-tie that wide
+            # steps, through their rows or the KV they wrote, broke the other way): the
+            # engines then decoded different texts, and their speeds compare less
+            "lookup_changed_text": n in w["diffs"] if "lr_lookup" in runs and "lr_plain" in runs else None,
             "tps_runs": {e: [x["decode_tps"] for x in rs] for e, rs in runs.items()},
             "text_lookup": w["text_lookup"].get(n)})
     return rows
