@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Prompt lookup's step plans without the machine's noise: each test model's greedy
 answers to the lookup tasks are replayed through localrun's draft controller and through
-llama-server's ngram-simple rule, and each plan is costed with one table of measured
-step times (a step of r rows, over a one-row step's).
+llama-server's ngram-simple rule, and each plan is costed with a table of measured step
+times (a step of r rows, over a one-row step's) measured after that task's own prompt: a
+step's cost depends on how much context it attends to (SmolLM2's one-row step
+takes 18.9 ms after the 293-token edit prompt and 24.5 ms after the 662-token rename
+prompt, and 10 rows cost 6.1 and 5.4 one-row steps there), so one table measured after
+the longest prompt under-prices wide steps for the shorter ones.
 
     python scripts/replay_lookup.py                  # all three test models
     python scripts/replay_lookup.py --models gemma --max-tokens 160
@@ -16,8 +20,10 @@ measured ratios. So "x" below is what a plan would decode at over lookup off if 
 took exactly its measured time, and two rules' x differ only by their plans.
 
 The controller prices drafts as it does in the engine: with a StepCost it learns online,
-each replayed step observed at the table's time for its width (so a width it has not
-tried yet is priced by the prior, as in a fresh process, and the price of exploring shows).
+each replayed step observed at its task's measured time in ms for its width (so a width
+it has not tried yet is priced by the prior, as in a fresh process, and the price of
+exploring shows; and the one-row times it compares with lag from one task's position to
+the next's, as in the engine).
 Between two answers, `--plain-between` one-row steps of a lookup-off answer pass through
 the same StepCost, as bench_lookup.py's plain runs share the engine with its lookup runs.
 
@@ -41,17 +47,19 @@ import numpy as np
 from bench_lookup import MODELS, _geo, resolve_model
 from lookup_tasks import TASKS, prompt_texts
 
-WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 20, 24, 28, 33, 40, 49)
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 20, 24, 28, 33, 40, 44, 48, 49)
 SIMPLE_MATCH, SIMPLE_DRAFT = 12, 48  # ngram-simple's defaults: lookup n-gram, longest draft
 WARM_TOKENS = 16  # bench_lookup.py's warm-up answer, plain and with lookup
 
 
 class CostTable:
-    """Measured step time by rows, over a one-row step's: what each replayed step costs."""
+    """Measured step time by rows, over a one-row step's, after one prompt: what each
+    replayed step costs; `one_ms`, the one-row step's time there."""
 
-    def __init__(self, ratios: dict[int, float]) -> None:
+    def __init__(self, ratios: dict[int, float], one_ms: float = 1.0) -> None:
         self.widths = sorted(ratios)
         self.ratios = [ratios[w] for w in self.widths]
+        self.one_ms = one_ms
 
     def ratio(self, rows: int) -> float:
         return float(np.interp(rows, self.widths, self.ratios))
@@ -59,7 +67,8 @@ class CostTable:
 
 class Session:
     """What one engine carries from answer to answer for a model: the acceptance record,
-    and the StepCost the controller learns from the steps it sees."""
+    and the StepCost the controller learns from the steps it sees. `table`: the cost
+    table of the task being answered."""
 
     def __init__(self, table: CostTable) -> None:
         from localrun.speculative import Acceptance, StepCost
@@ -68,7 +77,7 @@ class Session:
 
     def step(self, rows: int, drafting: bool = True) -> float:
         cost = self.table.ratio(rows)
-        self.step_cost.observe(rows, cost, drafting)  # in one-row steps, where the engine has ms
+        self.step_cost.observe(rows, cost * self.table.one_ms, drafting)
         return cost
 
     def plain_answer(self, steps: int) -> None:
@@ -78,8 +87,8 @@ class Session:
 
 
 def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
-    """Greedy answers (lookup off) to every task, and the step-cost table, for one model."""
-    from localrun.backends.base import BatchEntry
+    """Greedy answers (lookup off) to every task, and a step-cost table after each task's
+    prompt, for one model."""
     from localrun.engine import Engine
     from localrun.sampling import SamplingParams
 
@@ -94,22 +103,40 @@ def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
             eng.backend.kv_clear(0)
             res = eng.complete(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens, lookup=False)
             answers[name] = (list(prompt), list(res.tokens))
-        # step times after the longest prompt, every width in turn, `reps` rounds (medians)
-        be, prompt = eng.backend, max(prompts.values(), key=len)
-        be.kv_clear(0)
-        for pos in range(0, len(prompt), be.n_batch):
-            be.decode([BatchEntry(0, prompt[pos:pos + be.n_batch], pos, 0)])
-        times: dict[int, list[float]] = {w: [] for w in WIDTHS}
-        for _ in range(reps):
-            for w in WIDTHS:
-                t0 = time.perf_counter()
-                be.decode([BatchEntry(0, (prompt * 2)[:w], len(prompt), w)])
-                times[w].append(time.perf_counter() - t0)
-                be.kv_trim(0, len(prompt))
-        one = statistics.median(times[1])
-        return {"answers": answers, "cost": {w: statistics.median(t) / one for w, t in times.items()}}
+        return {"answers": answers, "cost": {name: measure_table(eng.backend, prompt, reps)
+                                             for name, prompt in prompts.items()}}
     finally:
         eng.close()
+
+
+def measure_table(be, prompt: list[int], reps: int) -> dict:
+    """Step times after `prompt`, every width in turn, `reps` rounds (medians): the ratios
+    to a one-row step's, and that step's ms."""
+    from localrun.backends.base import BatchEntry
+
+    be.kv_clear(0)
+    for pos in range(0, len(prompt), be.n_batch):
+        be.decode([BatchEntry(0, prompt[pos:pos + be.n_batch], pos, 0)])
+    times: dict[int, list[float]] = {w: [] for w in WIDTHS}
+    for _ in range(reps):
+        for w in WIDTHS:
+            t0 = time.perf_counter()
+            filler = (prompt * (w // len(prompt) + 1))[:w]  # which tokens does not change a step's time
+            be.decode([BatchEntry(0, filler, len(prompt), w)])
+            times[w].append(time.perf_counter() - t0)
+            be.kv_trim(0, len(prompt))
+    one = statistics.median(times[1])
+    return {"one_ms": one * 1000, "ratios": {w: statistics.median(t) / one for w, t in times.items()}}
+
+
+def cost_tables(cost: dict) -> dict[str, CostTable]:
+    """Task -> its table, from measure()'s or a loaded file's "cost" (JSON keys are
+    strings). A file written before tables were measured per task holds one table (width
+    -> ratio), used for every task."""
+    if all(isinstance(v, dict) for v in cost.values()):
+        return {name: CostTable({int(w): r for w, r in t["ratios"].items()}, t["one_ms"]) for name, t in cost.items()}
+    one = CostTable({int(w): r for w, r in cost.items()})
+    return {name: one for name in TASKS}
 
 
 def ngram_simple(history: list[int], room: int) -> list[int]:
@@ -176,20 +203,22 @@ def main(argv=None) -> int:
     print(f"x = lookup off's steps / the plan's cost in one-row steps; a/d = accepted/drafted; "
           f"{args.max_tokens} tokens, round {args.rounds} of {args.rounds}")
     for label, path in resolved:
-        if label in loaded:
-            data = {"answers": loaded[label]["answers"], "cost": {int(w): r for w, r in loaded[label]["cost"].items()}}
-        else:
-            data = measure(path, args.max_tokens, args.threads, args.cost_reps)
-        cost = CostTable(data["cost"])
-        print(f"\n{label}: step cost by rows " + " ".join(f"{w}:{r:.1f}" for w, r in data["cost"].items()))
+        data = loaded[label] if label in loaded else measure(path, args.max_tokens, args.threads, args.cost_reps)
+        tables = cost_tables(data["cost"])
+        print(f"\n{label}: step cost by rows, after each task's prompt (one-row step's ms first)")
+        shown = tables.items() if len({id(t) for t in tables.values()}) > 1 else [("(all)", tables[next(iter(TASKS))])]
+        for name, t in shown:
+            print(f"  {name:<9}{t.one_ms:5.1f} ms  " + " ".join(f"{w}:{r:.1f}" for w, r in zip(t.widths, t.ratios)))
         print(f"  {'task':<9}{'localrun x':>11}{'a/d':>10}{'simple x':>10}{'a/d':>10}{'LU/simple':>11}")
-        session, rows = Session(cost), {}
-        first_prompt, first_answer = data["answers"][next(iter(TASKS))]
+        first = next(iter(TASKS))
+        session, rows = Session(tables[first]), {}
+        first_prompt, first_answer = data["answers"][first]
         session.plain_answer(WARM_TOKENS)  # bench_lookup.py's warm-up: plain, then with lookup
         replay("localrun", first_prompt, first_answer[:WARM_TOKENS], session, WARM_TOKENS)
         for _ in range(args.rounds):
             for name in TASKS:
                 prompt, answer = data["answers"][name]
+                session.table = tables[name]
                 rows[name] = {rule: replay(rule, prompt, answer, session, args.max_tokens)
                               for rule in ("localrun", "simple")}
                 session.plain_answer(plain_between)
