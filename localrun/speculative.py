@@ -245,12 +245,16 @@ class StepCost:
         if rows <= 1:
             self._plain = (self._plain + [ms])[-self.PLAIN_WINDOW:]
             return
-        if not self._plain:
+        plain = self.one_row_ms()
+        if plain is None:
             return  # nothing to compare with yet
-        plain = sorted(self._plain)[len(self._plain) // 2]
         kept = self._ratios[rows] = (self._ratios.get(rows, []) + [ms / plain])[-self.WIDTH_WINDOW:]
         self._cost[rows] = min(kept)
         self._seen_at[rows] = self._steps
+
+    def one_row_ms(self) -> float | None:
+        """The one-row time a wide step is compared with now (None before any)."""
+        return sorted(self._plain)[len(self._plain) // 2] if self._plain else None
 
     def ratio(self, rows: int, prior_per_row: float) -> float:
         """Estimated time of a `rows`-row step over a one-row step's: measured where it

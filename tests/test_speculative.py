@@ -240,12 +240,15 @@ def test_step_cost_is_measured_interpolated_and_extended():
 def test_step_cost_compares_each_width_with_one_row_steps_of_its_moment():
     cost = StepCost()
     cost.observe(17, 50.0)  # no one-row step yet: nothing to compare with
+    assert cost.one_row_ms() is None
     assert cost.ratio(17, 0.5) == pytest.approx(9.0)  # the prior
     for _ in range(10):
         cost.observe(1, 20.0)  # a loaded moment...
+    assert cost.one_row_ms() == pytest.approx(20.0)
     cost.observe(17, 100.0)
     for _ in range(30):
         cost.observe(1, 10.0)  # ...that passed: one-row steps are faster now
+    assert cost.one_row_ms() == pytest.approx(10.0)
     assert cost.ratio(17, 0.5) == pytest.approx(5.0)  # still 100 / 20, not 100 / 10
 
 

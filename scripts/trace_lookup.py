@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Why prompt lookup drafted what it drafted: one lookup task on the real engine, traced
+decision by decision. The tasks run in scripts/bench_lookup.py's order (its warm-up, then
+each task with lookup and again without, `--rounds` times through) on one engine, so the
+step costs and the acceptance record it carries are the ones a benchmark run sees; the
+traced task is the one of the last round.
+
+    python scripts/trace_lookup.py --model gemma --task edit
+    python scripts/trace_lookup.py --model smollm2 --task bicycle --rounds 1
+
+For every step of the traced answer where the history's tail matched earlier text: the
+match length, its band and acceptance rate, the draft length chosen, and the price the
+controller put on a few widths (in one-row steps). For every step the engine timed: its
+rows, its ms, the one-row time it was compared with, and how many drafted tokens it kept.
+A run of plain steps without a match prints as one line.
+
+Why: the benchmark's tok/s says that a plan was slow, the replay (scripts/replay_lookup.py)
+what a plan would cost on a quiet machine; this says what the engine believed when it chose,
+e.g. a width priced from a slow moment of an earlier answer.
+"""
+
+from __future__ import annotations
+
+import argparse, statistics, sys
+from contextlib import contextmanager
+
+from bench_lookup import MODELS, resolve_model
+from lookup_tasks import TASKS, prompt_texts
+
+PRICED = (2, 4, 8, 12, 20, 30, 40, 49)  # widths whose price each decision prints
+WARM_TOKENS = 16  # bench_lookup.py's warm-up answer
+
+
+class Tracer:
+    """Collects the traced answer's decisions and timed steps as printable lines."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.lines: list[str] = []
+        self._quiet: list[float] = []  # one-row steps without a match since the last line
+
+    def flush_quiet(self) -> None:
+        if self._quiet:
+            self.lines.append(f"  {len(self._quiet):3} plain step(s) without a match, median "
+                              f"{statistics.median(self._quiet):.1f} ms")
+            self._quiet = []
+
+    def decision(self, ctrl, history: list[int], draft: list[int], match: int) -> None:
+        from localrun.speculative import _band
+
+        band = _band(match)
+        prices = " ".join(f"{w}:{ctrl.row_cost(w):.1f}" for w in PRICED)
+        self.flush_quiet()
+        self.lines.append(f"  pos {len(history):4}  match {match:2}  band {band}  rate {ctrl.rate(band):.3f}  "
+                          f"draft {len(draft):2}  | price {prices}")
+
+    def step(self, rows: int, ms: float, one_row: float | None, matched: bool) -> None:
+        if rows == 1 and not matched:
+            self._quiet.append(ms)
+            return
+        self.flush_quiet()
+        ref = f"{one_row:.1f}" if one_row else "-"
+        ratio = f"{ms / one_row:.2f}" if one_row else "-"
+        self.lines.append(f"    step {rows:2} row(s)  {ms:6.1f} ms  one-row {ref} ms  ratio {ratio}")
+
+    def verdict(self, drafted: int, accepted: int) -> None:
+        self.lines[-1] += f"  kept {accepted}/{drafted}"
+
+
+@contextmanager
+def traced(engine, tracer: Tracer):
+    """The engine's draft controllers and step-cost record report to `tracer` while
+    `tracer.on`."""
+    from localrun.speculative import DraftController
+
+    draft, record = DraftController.draft, DraftController.record
+    observe = engine.step_cost.observe
+    matched = [False]  # the step being decoded had a match
+
+    def traced_draft(ctrl, history, room):
+        out = draft(ctrl, history, room)
+        if tracer.on:
+            match = ctrl.index.locate(history, ctrl.edits)[1]  # the same answer draft() had
+            matched[0] = match >= ctrl.cfg.min_match
+            if matched[0]:
+                tracer.decision(ctrl, history, out, match)
+        return out
+
+    def traced_record(ctrl, drafted, accepted):
+        if tracer.on and drafted:
+            tracer.verdict(drafted, accepted)
+        return record(ctrl, drafted, accepted)
+
+    def traced_observe(rows, ms, drafting=True):
+        if tracer.on:
+            tracer.step(rows, ms, engine.step_cost.one_row_ms(), matched[0])
+            matched[0] = False
+        return observe(rows, ms, drafting)
+
+    DraftController.draft, DraftController.record = traced_draft, traced_record
+    engine.step_cost.observe = traced_observe
+    try:
+        yield
+    finally:
+        DraftController.draft, DraftController.record = draft, record
+        engine.step_cost.observe = observe
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gemma", help=f"a short name {list(MODELS)} or a path")
+    ap.add_argument("--task", default="edit", choices=list(TASKS))
+    ap.add_argument("--rounds", type=int, default=2, help="times through the tasks; the last one's is traced")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.rounds < 1 or args.max_tokens < 1:
+        print("error: --rounds and --max-tokens must be at least 1", file=sys.stderr)
+        return 2
+    label, path = resolve_model(args.model)
+    if not path.exists():
+        print(f"error: no model file {path}: run scripts/fetch_test_models.py", file=sys.stderr)
+        return 2
+
+    from localrun.engine import Engine
+    from localrun.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    with Engine.open(path, n_ctx=4096, threads=args.threads) as eng:
+        chat = eng.info.chat_template is not None
+        prompts = {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
+                   for n, t in prompt_texts(chat).items() if n in TASKS}
+
+        def answer(name: str, lookup: bool, max_tokens: int = args.max_tokens):
+            eng.backend.kv_clear(0)  # every run prefills in full, as in bench_lookup.py
+            return eng.complete(prompts[name], sampling=greedy, max_tokens=max_tokens, lookup=lookup)
+
+        tracer = Tracer()
+        print(f"{label}: tasks in bench_lookup.py's order, greedy, {args.max_tokens} tokens, threads {args.threads}")
+        with traced(eng, tracer):
+            first = next(iter(TASKS))
+            answer(first, True, WARM_TOKENS), answer(first, False, WARM_TOKENS)
+            for r in range(1, args.rounds + 1):
+                for name in TASKS:
+                    tracer.on = r == args.rounds and name == args.task
+                    on = answer(name, True)
+                    tracer.on = False
+                    off = answer(name, False)
+                    t = on.timings
+                    print(f"  round {r} {name:<8} lookup {t.decode_tps:6.1f} tok/s, off {off.timings.decode_tps:6.1f}"
+                          f"  x{t.decode_tps / off.timings.decode_tps:.2f}  steps {t.steps:3}  "
+                          f"accepted/drafted {t.accepted}/{t.drafted}  "
+                          f"{'same text' if list(on.tokens) == list(off.tokens) else 'text differs'}")
+        tracer.flush_quiet()
+    print(f"\n{args.task}, round {args.rounds}, with lookup: prices in one-row steps; ratio = ms / one-row")
+    print("\n".join(tracer.lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
