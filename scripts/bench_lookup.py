@@ -57,6 +57,7 @@ MARK = "BENCH_LOOKUP "
 MODELS_DIR = Path(os.environ.get("LOCALRUN_TEST_MODELS", "~/.cache/localrun/test-models")).expanduser()
 MODELS = {"smollm2": "smollm2-135m-instruct-q4_1.gguf", "gemma": "gemma-3-270m-q4_k_m.gguf",
           "qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
+WARM_TOKENS = 16  # each engine's untimed first answer: weights paged in, buffers sized
 ENGINES = ["lr_lookup", "lr_exact", "lr_noedit", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
 DEFAULT_ENGINES = [e for e in ENGINES if e not in ("lr_exact", "lr_noedit")]
 SERVER_SPEC = {"ls_plain": [], "ls_simple": ["--spec-type", "ngram-simple"], "ls_mod": ["--spec-type", "ngram-mod"]}
@@ -270,7 +271,7 @@ def timed_runs(job, engines, prompts, tasks):
     if not tasks:
         return {}
     for run in engines.values():  # warm-up: page weights in, size compute buffers for k+1 rows
-        run(prompts[tasks[0]], 16, timed=False)
+        run(prompts[tasks[0]], WARM_TOKENS, timed=False)
     # All engines alternate run by run, and the order rotates each repeat, so that load from
     # other processes drifts onto every engine alike rather than onto whichever ran last.
     runs = {n: {e: [] for e in engines} for n in tasks}

@@ -44,12 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_lookup import MODELS, _geo, resolve_model
+from bench_lookup import MODELS, WARM_TOKENS, _geo, resolve_model
 from lookup_tasks import TASKS, prompt_texts
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 20, 24, 28, 33, 40, 44, 48, 49)
 SIMPLE_MATCH, SIMPLE_DRAFT = 12, 48  # ngram-simple's defaults: lookup n-gram, longest draft
-WARM_TOKENS = 16  # bench_lookup.py's warm-up answer, plain and with lookup
 
 
 class CostTable:

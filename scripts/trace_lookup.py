@@ -2,7 +2,8 @@
 """Why prompt lookup drafted what it drafted: one lookup task on the real engine, traced
 decision by decision. The tasks run in scripts/bench_lookup.py's order (its warm-up, then
 each task with lookup and again without, `--rounds` times through) on one engine, so the
-step costs and the acceptance record it carries are the ones a benchmark run sees; the
+step costs and the acceptance record it carries are the ones a benchmark run sees (the
+benchmark also rotates which engine runs a task first; here lookup always does); the
 traced task is the one of the last round.
 
     python scripts/trace_lookup.py --model gemma --task edit
@@ -24,11 +25,10 @@ from __future__ import annotations
 import argparse, statistics, sys
 from contextlib import contextmanager
 
-from bench_lookup import MODELS, resolve_model
+from bench_lookup import MODELS, WARM_TOKENS, resolve_model
 from lookup_tasks import TASKS, prompt_texts
 
 PRICED = (2, 4, 8, 12, 20, 30, 40, 49)  # widths whose price each decision prints
-WARM_TOKENS = 16  # bench_lookup.py's warm-up answer
 
 
 class Tracer:
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
         print(f"{label}: tasks in bench_lookup.py's order, greedy, {args.max_tokens} tokens, threads {args.threads}")
         with traced(eng, tracer):
             first = next(iter(TASKS))
-            answer(first, True, WARM_TOKENS), answer(first, False, WARM_TOKENS)
+            answer(first, True, WARM_TOKENS)
+            answer(first, False, WARM_TOKENS)
             for r in range(1, args.rounds + 1):
                 for name in TASKS:
                     tracer.on = r == args.rounds and name == args.task
