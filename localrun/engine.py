@@ -31,7 +31,8 @@ from .generation import Completion, Event, Generation, Timings
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
-from .speculative import Acceptance, DraftController, StepCost, margin_change
+from .speculative import Acceptance, DraftController, margin_change
+from .step_cost import StepCost
 from .textstream import StopMatcher
 from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
 from .tools.model import ModelTools

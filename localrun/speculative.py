@@ -17,8 +17,8 @@ drafts copy with it made, and a match goes on behind it (a long match, not a fre
 
 **How much to draft.** A long match is evidence that the answer is copying a span (a
 code edit, a quote), so `DraftController` keeps one acceptance estimate per band of
-match length, and `StepCost` keeps the measured time of a step per number of rows (on
-a CPU the cost of a wider step is sublinear: weights are read once per step, so 17
+match length, and `StepCost` (step_cost.py) follows what a step costs per number of
+rows, apart from the machine's speed of the moment (on a CPU a wider step is sublinear: weights are read once per step, so 17
 rows cost ~7 single steps on Gemma-3, not 17). The draft length is the one that
 maximises expected tokens per unit of step time; when no length pays by a margin, the
 step is a plain one. These estimates change how many tokens a step verifies, never
@@ -72,6 +72,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .lookup_edits import MAX_EDITS, LearnedEdits
+from .step_cost import StepCost
 
 # Match-length bands (upper bounds, inclusive) and the acceptance each starts from before
 # any draft of this generation was judged: longer agreement with an earlier span makes
@@ -174,11 +175,11 @@ class LookupConfig:
     enabled: bool = True
     min_match: int = 2  # never draft behind a shorter match (a pair is the index key)
     max_draft: int = 48  # as llama-server's ngram-simple; a long copied span pays most in few steps
-    # Cost of one more verified row, in single-token steps, for widths not measured yet:
-    # optimistic on purpose, so that long drafts get tried and measured (a wide step that
-    # costs more than this is seen at once and not repeated). Measured on this project's
-    # 2-core CPU: 17 rows cost 6.8 one-row steps on Gemma-3 (0.36 a row); on a GPU or
-    # Apple Silicon a row costs far less.
+    # Cost of one more verified row, in single-token steps: with measure_cost=False, every
+    # width's; otherwise the rows past StepCost.MAX_ROWS (StepCost's own prior for widths
+    # not measured yet is this default's line, optimistic on purpose, so that long drafts
+    # get tried and measured). Measured on this project's 2-core CPU: 17 rows cost 6.8
+    # one-row steps on Gemma-3 (0.36 a row); on a GPU or Apple Silicon a row costs far less.
     cost_per_draft: float = 0.25
     min_gain: float = 1.05  # draft only when it is expected to pay at least this much
     measure_cost: bool = True  # False keeps cost_per_draft (deterministic draft lengths)
@@ -196,82 +197,6 @@ class LookupConfig:
     # `--engines lr_lookup lr_noedit`), steps per answer 12-15 instead of 24-25, 29 instead
     # of 44, 26 instead of 47.
     learn_edits: bool = True
-
-
-class StepCost:
-    """A step's time by how many rows one sequence had verified in it, for one model, as a
-    ratio to a one-row step's time measured at about the same moment (so that load that
-    comes and goes, or a first step slowed by a long prefill, does not skew widths that
-    were measured at other moments). Only steps with a single sequence count (a server
-    step shared by several streams says nothing clean about one of them).
-
-    Load only ever adds time to a step: another process, or the chat app's UI thread,
-    that takes the core for part of a step makes it look dearer, never cheaper. So a
-    width's cost is the least of its last few ratios, and the one-row time they divide
-    by is the median of the last few one-row steps. A width judged too dear is not drafted
-    again, so nothing new would ever correct it: one unmeasured for `STALE_STEPS` steps
-    is forgotten, and interpolation (or the prior) lets it be measured afresh. Measured
-    under load (one core spinning, SmolLM2 in the chat app, the same 400-token answer):
-    with an exponential average of the ratios it took 120 to 254 one-row steps from run
-    to run (one slowed step's verdict stayed); with this, 120 to 126.
-
-    Only the steps of a generation that may draft age a width: a lookup-off request
-    gives no chance to measure one again, so forgetting on its steps only makes the next
-    lookup answer explore afresh (its long first drafts priced by the optimistic prior).
-    Its one-row steps still count as the moment's one-row time. Replayed with the engine's
-    online table (scripts/replay_lookup.py, a 128-step lookup-off answer between two
-    lookup answers, as bench_lookup.py runs them on one engine): grounded tasks' geometric
-    mean over ngram-simple 1.19 / 1.24 / 1.19 -> 1.27 / 1.29 / 1.21 on three measured
-    tables, SmolLM2's rename 0.93 / 0.96 / 0.89 -> 1.05 / 1.13 / 0.94."""
-
-    WIDTH_WINDOW = 4  # ratios kept per width
-    PLAIN_WINDOW = 5  # one-row step times kept
-    STALE_STEPS = 256  # steps (of one drafting sequence) after which a width's measurements are dropped
-
-    def __init__(self) -> None:
-        self._plain: list[float] = []
-        self._ratios: dict[int, list[float]] = {}
-        self._seen_at: dict[int, int] = {}
-        self._cost: dict[int, float] = {}  # per width: the least of its kept ratios
-        self._steps = 0
-
-    def observe(self, rows: int, ms: float, drafting: bool = True) -> None:
-        """A single sequence's step of `rows` rows took `ms`; `drafting`: that sequence may
-        draft (a lookup-off generation's steps are only one-row times)."""
-        if drafting:
-            self._steps += 1
-            for stale in [r for r, at in self._seen_at.items() if self._steps - at >= self.STALE_STEPS]:
-                del self._ratios[stale], self._seen_at[stale], self._cost[stale]
-        if rows <= 1:
-            self._plain = (self._plain + [ms])[-self.PLAIN_WINDOW:]
-            return
-        plain = self.one_row_ms()
-        if plain is None:
-            return  # nothing to compare with yet
-        kept = self._ratios[rows] = (self._ratios.get(rows, []) + [ms / plain])[-self.WIDTH_WINDOW:]
-        self._cost[rows] = min(kept)
-        self._seen_at[rows] = self._steps
-
-    def one_row_ms(self) -> float | None:
-        """The one-row time a wide step is compared with now (None before any)."""
-        return sorted(self._plain)[len(self._plain) // 2] if self._plain else None
-
-    def ratio(self, rows: int, prior_per_row: float) -> float:
-        """Estimated time of a `rows`-row step over a one-row step's: measured where it
-        was, interpolated between measured widths, and beyond the widest measured one
-        extended by `prior_per_row` a row (optimistic: that width gets measured)."""
-        if rows <= 1:
-            return 1.0
-        cost = self._cost
-        if rows in cost:
-            return cost[rows]
-        lower = max((r for r in cost if r < rows), default=1)
-        upper = min((r for r in cost if r > rows), default=None)
-        lo = cost.get(lower, 1.0)
-        if upper is not None:
-            hi = cost[upper]
-            return lo + (hi - lo) * (rows - lower) / (upper - lower)
-        return lo + prior_per_row * (rows - lower)
 
 
 class Acceptance:

@@ -31,6 +31,14 @@ The ngram-simple rule, as llama-server's documentation and defaults give it: dra
 the last 12 tokens occurred earlier; the draft is what followed the most recent such
 occurrence, up to 48 tokens, and nothing when fewer than 12 followed.
 
+With `--drift FILE` (written by scripts/record_drift.py) the times StepCost observes
+also carry a recorded stretch of the machine's own drift and jitter: each replayed step's
+time is multiplied by the recorded speed factor at the replay's clock (the sum of its
+steps' ms so far), starting `--drift-starts` times at evenly spaced points of the record.
+A plan is still costed at the quiet table, so what the drift changes is only what the
+controller believed when it chose; each task's x and LU/simple are then geometric means
+over the starts, with the lowest LU/simple of any start beside them.
+
 Tasks run in scripts/bench_lookup.py's order, `--rounds` times through, after its warm-up
 (16 tokens of the first task), with one model acceptance record and one StepCost carried
 across them as one engine carries them; the last round is printed (the plans of a
@@ -39,7 +47,7 @@ session under way, as the benchmark's repeats see them).
 
 from __future__ import annotations
 
-import argparse, json, statistics, sys, time
+import argparse, bisect, json, statistics, sys, time
 from pathlib import Path
 
 import numpy as np
@@ -64,19 +72,45 @@ class CostTable:
         return float(np.interp(rows, self.widths, self.ratios))
 
 
+class Drift:
+    """A recorded stretch of the machine's speed (scripts/record_drift.py): each recorded
+    step's time over what its width costs on that record's median, by time."""
+
+    def __init__(self, steps: list) -> None:
+        by_rows: dict[int, list[float]] = {}
+        for _, rows, ms in steps:
+            by_rows.setdefault(rows, []).append(ms)
+        one = statistics.median(by_rows[1])
+        shape = {rows: statistics.median(v) / one for rows, v in by_rows.items()}
+        self.at_ms = [t * 1000 for t, _, _ in steps]
+        self.factors = [ms / (shape[rows] * one) for _, rows, ms in steps]
+        self.span_ms = self.at_ms[-1]
+
+    def factor(self, clock_ms: float) -> float:
+        """The speed factor in force at `clock_ms` (the record repeats past its end)."""
+        return self.factors[max(bisect.bisect(self.at_ms, clock_ms % self.span_ms) - 1, 0)]
+
+    def starts(self, n: int) -> list[float]:
+        return [self.span_ms * i / n for i in range(n)]
+
+
 class Session:
     """What one engine carries from answer to answer for a model: the acceptance record,
     and the StepCost the controller learns from the steps it sees. `table`: the cost
-    table of the task being answered."""
+    table of the task being answered; `drift`: the recorded speed the observed times carry,
+    from `clock_ms` on."""
 
-    def __init__(self, table: CostTable) -> None:
+    def __init__(self, table: CostTable, drift: Drift | None = None, clock_ms: float = 0.0) -> None:
         from localrun.speculative import Acceptance, StepCost
 
         self.table, self.acceptance, self.step_cost = table, Acceptance(), StepCost()
+        self.drift, self.clock_ms = drift, clock_ms
 
     def step(self, rows: int, drafting: bool = True) -> float:
         cost = self.table.ratio(rows)
-        self.step_cost.observe(rows, cost * self.table.one_ms, drafting)
+        ms = cost * self.table.one_ms * (self.drift.factor(self.clock_ms) if self.drift else 1.0)
+        self.clock_ms += ms
+        self.step_cost.observe(rows, ms, drafting)
         return cost
 
     def plain_answer(self, steps: int) -> None:
@@ -174,6 +208,24 @@ def replay(rule: str, prompt: list[int], answer: list[int], session: Session, ma
     return spent, steps, accepted, drafted
 
 
+def session_plans(data: dict, tables: dict[str, CostTable], rounds: int, plain_between: int, max_tokens: int,
+                  drift: Drift | None = None, start_ms: float = 0.0) -> dict:
+    """Task -> rule -> replay()'s plan, of the last of `rounds` times through the tasks on
+    one session (bench_lookup.py's warm-up first, a lookup-off answer after each task)."""
+    first = next(iter(TASKS))
+    session, rows = Session(tables[first], drift, start_ms), {}
+    first_prompt, first_answer = data["answers"][first]
+    session.plain_answer(WARM_TOKENS)  # bench_lookup.py's warm-up: plain, then with lookup
+    replay("localrun", first_prompt, first_answer[:WARM_TOKENS], session, WARM_TOKENS)
+    for _ in range(rounds):
+        for name in TASKS:
+            prompt, answer = data["answers"][name]
+            session.table = tables[name]
+            rows[name] = {rule: replay(rule, prompt, answer, session, max_tokens) for rule in ("localrun", "simple")}
+            session.plain_answer(plain_between)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), help=f"short names {list(MODELS)} or paths")
@@ -187,10 +239,25 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write answers, cost tables and plans as JSON")
     ap.add_argument("--load", help="replay the answers and cost tables of an earlier --out instead of "
                     "measuring (two versions of the controller judged on the same table)")
+    ap.add_argument("--drift", help="a recorded drift (scripts/record_drift.py) the observed step times carry")
+    ap.add_argument("--drift-starts", type=int, default=6, help="replays per model, from evenly spaced points "
+                    "of the drift record (default 6)")
     args = ap.parse_args(argv)
     plain_between = args.max_tokens if args.plain_between is None else args.plain_between
     if args.load and not Path(args.load).is_file():
         print(f"error: no file {args.load}: give a file that an earlier run wrote with --out", file=sys.stderr)
+        return 2
+    if args.drift and not Path(args.drift).is_file():
+        print(f"error: no file {args.drift}: record one with scripts/record_drift.py --out FILE", file=sys.stderr)
+        return 2
+    if args.drift_starts < 1:
+        print("error: --drift-starts must be 1 or more", file=sys.stderr)
+        return 2
+    try:
+        drift = Drift(json.loads(Path(args.drift).read_text())["steps"]) if args.drift else None
+    except (ValueError, KeyError, TypeError, IndexError):
+        print(f"error: {args.drift} is not a drift record with one-row steps: record one with "
+              "scripts/record_drift.py --out FILE", file=sys.stderr)
         return 2
     loaded = json.loads(Path(args.load).read_text()) if args.load else {}
     resolved = [resolve_model(m) for m in (list(loaded) or args.models)]
@@ -200,7 +267,9 @@ def main(argv=None) -> int:
         return 2
     report = {}
     print(f"x = lookup off's steps / the plan's cost in one-row steps; a/d = accepted/drafted; "
-          f"{args.max_tokens} tokens, round {args.rounds} of {args.rounds}")
+          f"{args.max_tokens} tokens, round {args.rounds} of {args.rounds}"
+          + (f"; under {args.drift}'s drift from {args.drift_starts} starts (geometric means, a/d summed)"
+             if drift else ""))
     for label, path in resolved:
         data = loaded[label] if label in loaded else measure(path, args.max_tokens, args.threads, args.cost_reps)
         tables = cost_tables(data["cost"])
@@ -208,26 +277,22 @@ def main(argv=None) -> int:
         shown = tables.items() if len({id(t) for t in tables.values()}) > 1 else [("(all)", tables[next(iter(TASKS))])]
         for name, t in shown:
             print(f"  {name:<9}{t.one_ms:5.1f} ms  " + " ".join(f"{w}:{r:.1f}" for w, r in zip(t.widths, t.ratios)))
-        print(f"  {'task':<9}{'localrun x':>11}{'a/d':>10}{'simple x':>10}{'a/d':>10}{'LU/simple':>11}")
-        first = next(iter(TASKS))
-        session, rows = Session(tables[first]), {}
-        first_prompt, first_answer = data["answers"][first]
-        session.plain_answer(WARM_TOKENS)  # bench_lookup.py's warm-up: plain, then with lookup
-        replay("localrun", first_prompt, first_answer[:WARM_TOKENS], session, WARM_TOKENS)
-        for _ in range(args.rounds):
-            for name in TASKS:
-                prompt, answer = data["answers"][name]
-                session.table = tables[name]
-                rows[name] = {rule: replay(rule, prompt, answer, session, args.max_tokens)
-                              for rule in ("localrun", "simple")}
-                session.plain_answer(plain_between)
+        print(f"  {'task':<9}{'localrun x':>11}{'a/d':>10}{'simple x':>10}{'a/d':>10}{'LU/simple':>11}"
+              + (f"{'lowest':>9}" if drift else ""))
+        runs = [session_plans(data, tables, args.rounds, plain_between, args.max_tokens, drift, start)
+                 for start in (drift.starts(args.drift_starts) if drift else [0.0])]
+        rows = runs[-1]
         ratios: dict[str, list[tuple[float, float]]] = {}
         for name, r in rows.items():
             plain = len(data["answers"][name][1]) - 1
-            lu, simple = plain / r["localrun"][0], plain / r["simple"][0]
+            simple = plain / r["simple"][0]  # ngram-simple's plan does not depend on prices
+            lus = [plain / run[name]["localrun"][0] for run in runs]
+            lu = _geo(lus)
             ratios.setdefault(TASKS[name][0], []).append((lu, lu / simple))
-            print(f"  {name:<9}{lu:>10.2f}x{r['localrun'][2]:>5}/{r['localrun'][3]:<4}{simple:>9.2f}x"
-                  f"{r['simple'][2]:>5}/{r['simple'][3]:<4}{lu / simple:>11.2f}")
+            accepted, drafted = (sum(run[name]["localrun"][i] for run in runs) for i in (2, 3))
+            lowest = f"{min(lus) / simple:>9.2f}" if drift else ""
+            print(f"  {name:<9}{lu:>10.2f}x{accepted:>5}/{drafted:<4}{simple:>9.2f}x"
+                  f"{r['simple'][2]:>5}/{r['simple'][3]:<4}{lu / simple:>11.2f}{lowest}")
         for group, pairs in ratios.items():
             x, vs = [p[0] for p in pairs], [p[1] for p in pairs]
             print(f"  {group}: localrun x {_geo(x):.2f} (lowest {min(x):.2f}), "

@@ -12,7 +12,8 @@ traced task is the one of the last round.
 For every step of the traced answer where the history's tail matched earlier text: the
 match length, its band and acceptance rate, the draft length chosen, and the price the
 controller put on a few widths (in one-row steps). For every step the engine timed: its
-rows, its ms, the one-row time it was compared with, and how many drafted tokens it kept.
+rows, its ms, the one-row time the step-cost model held for that moment (the machine's
+speed as it followed it), and how many drafted tokens it kept.
 A run of plain steps without a match prints as one line.
 
 Why: the benchmark's tok/s says that a plan was slow, the replay (scripts/replay_lookup.py)

@@ -1,0 +1,147 @@
+"""What a speculative step of r rows costs on this model, as a multiple of a one-row step.
+
+The machine's speed is not a constant. On this project's shared 2-core CPU a one-row step
+of SmolLM2 took 15.3 ms in one 10-second window and 20.9 ms two minutes later, while a
+49-row step cost 24.1-28.3 one-row steps in every window of the same four minutes
+(recorded with each width in turn after one prompt, widths 1-49 interleaved). So a step's
+time is the machine's speed of the moment times the model's shape at that width:
+
+    log ms = log speed(now) + log shape(rows),   shape(1) = 1,
+
+and each step's time also scatters by itself (robust sd 0.075-0.096 in log around its
+neighbours', for 1 to 49 rows, with a tail of steps that lost the core for a while).
+
+`StepCost` follows both with one Kalman filter over the log speed and the log shape of
+widths 2..MAX_ROWS: the speed is a random walk in time (so it follows drift), the shape
+changes slowly (longer contexts cost wide steps more), and neighbouring widths share what
+is learned about them (their prior covariance falls with their distance in log rows), so
+one noisy measurement of 20 rows is weighed against 17 and 24 rather than kept alone.
+A draft is priced by the shape only: the speed of the moment cancels out of "is a 20-row
+step worth 20 tokens' chance".
+
+Why not a ratio to recent one-row steps (localrun's earlier rule): a wide width measured
+once keeps the moment it was measured in. Traced on SmolLM2's edit task, the prices
+carried into an answer were 40-50% above a quiet table (20 rows at 15.2 one-row steps
+against 9.1), and the answer drafted 5 tokens at a time at a 98% acceptance rate.
+Replayed (scripts/replay_lookup.py --load TABLE --drift RECORD --drift-starts 12) on two
+measured tables and two recorded drifts, the grounded tasks' geometric mean over
+ngram-simple went from 1.25-1.27 / 1.09-1.14 / 1.14-1.18 to 1.29-1.31 / 1.13-1.17 /
+1.17-1.23 (SmolLM2 / Gemma-3 / Qwen2.5); on the quiet tables alone, from 1.27-1.30 /
+1.07-1.20 / 1.13-1.17 to 1.28-1.31 / 1.09-1.18 / 1.16-1.25. On the real engine (both rules
+in one process, alternating, 3 rounds of the seven tasks), grounded tasks decoded 1.03 /
+1.05 / 1.01x faster, chats 0.97 / 1.08 / 1.00x.
+
+A width the filter judges too dear would never be drafted, so never measured again: the
+price is optimistic by `OPTIMISM` standard deviations of what is known about the width,
+and every step of a generation that may draft fades what was learned toward the prior
+(STALE_STEPS). A width left unmeasured gets cheaper until it is tried: after a first
+measurement slowed 4x by load, a 4-row step is drafted again after about 7000 steps, or
+as soon as its neighbours' measurements say it is cheap (one slowed step of a width
+measured before moves its price by under 10%: the surprise is bounded by `SPIKE`).
+A lookup-off generation's steps follow the speed only: they could not have measured a
+width, so they do not fade one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class StepCost:
+    MAX_ROWS = 64  # widths the filter knows; wider steps are priced by extension (none drafts that wide today)
+    JITTER = 0.08  # a step's own scatter, sd in log ms (measured 0.075-0.096, see above)
+    # The speed's random walk, variance in log per ms of stepping: the recorded one-row
+    # time moved by ~0.1 in log between neighbouring 10-second windows, up to 0.28 over 40 s.
+    SPEED_DRIFT = 2.5e-6
+    SHAPE_SD = 0.5  # prior sd of a width's log shape around the config's cost_per_draft line
+    SHAPE_SCALE = 0.5  # widths this far apart in log rows share e^-1 of their prior covariance
+    STALE_STEPS = 4096  # drafting steps over which an unmeasured width's estimate fades to the prior (1/e)
+    AGE_EVERY = 16  # one-row steps fade the shape in bulk, this many at a time (it moves slowly)
+    # A step more than this many sds slower (or faster) than expected counts as this
+    # surprising: load that took the core for part of a step says nothing about the width
+    # (two such steps in a row say the speed changed).
+    SPIKE = 2.0
+    OPTIMISM = 1.0  # the price is the mean less this many sds of the width's log shape
+
+    def __init__(self, prior_per_row: float = 0.25) -> None:
+        """`prior_per_row`: what a row costs (in one-row steps) before any was measured
+        (LookupConfig.cost_per_draft's default, optimistic on purpose)."""
+        widths = np.arange(2, self.MAX_ROWS + 1)
+        log_widths = np.log(widths)
+        # state: [log one-row ms, log shape(2), ..., log shape(MAX_ROWS)]
+        self._prior_shape = np.log1p(prior_per_row * (widths - 1))
+        self._prior_cov = self.SHAPE_SD ** 2 * np.exp(-np.abs(log_widths[:, None] - log_widths[None, :]) / self.SHAPE_SCALE)
+        self._mean = np.concatenate([[0.0], self._prior_shape])
+        self._cov = np.zeros((len(widths) + 1, len(widths) + 1))
+        self._cov[0, 0] = 1.0  # the speed is unknown until the first step (which sets it)
+        self._cov[1:, 1:] = self._prior_cov
+        self._steps = 0
+        self._unaged = 0  # drafting steps whose fading is not applied yet
+        self._last_outlier = 0  # the sign of the last step's clipped surprise (0: it was not)
+        self._set_prices()
+
+    def _set_prices(self) -> None:
+        sd = np.sqrt(np.maximum(np.diag(self._cov)[1:], 0.0))
+        # no width costs less than one row, however optimistic
+        self._prices = [1.0, 1.0] + np.maximum(np.exp(self._mean[1:] - self.OPTIMISM * sd), 1.0).tolist()
+
+    def observe(self, rows: int, ms: float, drafting: bool = True) -> None:
+        """A single sequence's step of `rows` rows took `ms`; `drafting`: that sequence may
+        draft (a lookup-off generation's steps only follow the speed)."""
+        if ms <= 0 or rows > self.MAX_ROWS:
+            return
+        if drafting:
+            self._unaged += 1
+        if rows > 1 or self._unaged >= self.AGE_EVERY:
+            self._age()
+        cov = self._cov
+        cov[0, 0] += self.SPEED_DRIFT * ms
+        seen = [0] if rows <= 1 else [0, rows - 1]  # the state this step's log time sums
+        surprise = math.log(ms) - float(self._mean[seen].sum())
+        spread = float(cov[np.ix_(seen, seen)].sum()) + self.JITTER ** 2
+        bound = self.SPIKE * math.sqrt(spread)
+        outlier = 0 if abs(surprise) <= bound else 1 if surprise > 0 else -1
+        if outlier and outlier == self._last_outlier or not self._steps:
+            # a second outlier the same way is the speed that changed (another program
+            # started or stopped), not a spike: the speed takes it at once
+            cov[0, 0] += surprise * surprise
+            spread += surprise * surprise
+            outlier = 0
+        self._last_outlier = outlier
+        if outlier:
+            surprise = outlier * bound
+        link = cov[:, seen].sum(axis=1)  # covariance of every state with the predicted log time
+        self._mean += link * (surprise / spread)
+        cov -= np.outer(link, link) / spread  # exactly symmetric: a_i * a_j == a_j * a_i
+        self._steps += 1
+        self._set_prices()
+
+    def _age(self) -> None:
+        """The shape's drift over the drafting steps since the last call: each step moves
+        every width's estimate back toward the prior by 1/STALE_STEPS (mean and
+        covariance alike), so what was learned fades unless it is measured again."""
+        if not self._unaged:
+            return
+        keep = (1.0 - 1.0 / self.STALE_STEPS) ** self._unaged
+        self._unaged = 0
+        shape = self._mean[1:]
+        shape[:] = self._prior_shape + keep * (shape - self._prior_shape)
+        cov = self._cov
+        cov[1:, 1:] = keep * keep * cov[1:, 1:] + (1.0 - keep * keep) * self._prior_cov
+        cov[0, 1:] *= keep
+        cov[1:, 0] *= keep
+
+    def one_row_ms(self) -> float | None:
+        """The one-row step's time now, as the filter follows it (None before any step)."""
+        return math.exp(self._mean[0]) if self._steps else None
+
+    def ratio(self, rows: int, prior_per_row: float) -> float:
+        """A `rows`-row step's price over a one-row step's; past MAX_ROWS, extended by
+        `prior_per_row` a row."""
+        if rows <= 1:
+            return 1.0
+        if rows <= self.MAX_ROWS:
+            return self._prices[rows]
+        return self._prices[self.MAX_ROWS] + prior_per_row * (rows - self.MAX_ROWS)

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Record how this machine's speed drifts while a model steps: after one prompt, steps of
+1 to 49 rows in a fixed interleaved cycle, each timed, for `--seconds`.
+
+    python scripts/record_drift.py --model smollm2 --seconds 240 --out drift.json
+
+It prints, per window of `--window` seconds, the one-row step's median ms and each width's
+median over it: where the first column moves and the others hold, the machine's speed
+drifted while the model's cost shape stayed (what localrun/step_cost.py assumes). The file
+feeds `scripts/replay_lookup.py --drift`, which replays drafting plans against this
+recorded drift instead of a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse, json, statistics, sys, time
+from pathlib import Path
+
+from bench_lookup import MODELS, resolve_model
+from lookup_tasks import prompt_texts
+
+# one-row steps between the wide ones, as a drafting answer's are
+CYCLE = (1, 1, 20, 1, 49, 1, 1, 6, 1, 12, 1, 33, 1, 1, 3)
+SHOWN = (3, 6, 12, 20, 33, 49)
+
+
+def record(path: Path, seconds: float, threads: int, task: str = "edit") -> list[tuple[float, int, float]]:
+    """(seconds since the start, rows, ms) of each timed step."""
+    from localrun.backends.base import BatchEntry
+    from localrun.engine import Engine
+
+    eng = Engine.open(path, n_ctx=4096, threads=threads)
+    try:
+        be, text = eng.backend, prompt_texts(eng.info.chat_template is not None)[task]
+        prompt = eng.chat_prompt([{"role": "user", "content": text}]) if eng.info.chat_template else eng.tokenize(text)
+        be.kv_clear(0)
+        for pos in range(0, len(prompt), be.n_batch):
+            be.decode([BatchEntry(0, prompt[pos:pos + be.n_batch], pos, 0)])
+        steps, start, i = [], time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            rows = CYCLE[i % len(CYCLE)]
+            i += 1
+            filler = (prompt * (rows // len(prompt) + 1))[:rows]  # which tokens does not change a step's time
+            t0 = time.perf_counter()
+            be.decode([BatchEntry(0, filler, len(prompt), rows)])
+            t1 = time.perf_counter()
+            be.kv_trim(0, len(prompt))
+            steps.append((t0 - start, rows, (t1 - t0) * 1000))
+        return steps
+    finally:
+        eng.close()
+
+
+def windows(steps, window: float) -> list[str]:
+    """One line per window: the one-row median ms, and each shown width over it."""
+    by_window: dict[int, dict[int, list[float]]] = {}
+    for t, rows, ms in steps:
+        by_window.setdefault(int(t // window), {}).setdefault(rows, []).append(ms)
+    lines = []
+    for w in sorted(by_window):
+        widths = by_window[w]
+        if 1 not in widths:
+            continue
+        one = statistics.median(widths[1])
+        shape = " ".join(f"{r}:{statistics.median(widths[r]) / one:5.2f}" for r in SHOWN if r in widths)
+        lines.append(f"  {w * window:5.0f} s  one-row {one:5.1f} ms   {shape}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help=f"short name {list(MODELS)} or a path")
+    ap.add_argument("--seconds", type=float, default=240.0)
+    ap.add_argument("--window", type=float, default=20.0, help="seconds per printed line")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True, help="where to write the recorded steps (JSON)")
+    args = ap.parse_args(argv)
+    label, path = resolve_model(args.model)
+    if not path.exists():
+        print(f"error: no model file {path}: run scripts/fetch_test_models.py", file=sys.stderr)
+        return 2
+    if args.seconds <= 0 or args.window <= 0:
+        print("error: --seconds and --window must be above 0", file=sys.stderr)
+        return 2
+    steps = record(path, args.seconds, args.threads)
+    out = Path(args.out)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.write_text(json.dumps({"model": label, "threads": args.threads, "steps": steps}))
+    tmp.replace(out)
+    print(f"{label}: {len(steps)} steps in {args.seconds:.0f} s; per {args.window:.0f} s, the one-row median "
+          f"and each width's over it:")
+    print("\n".join(windows(steps, args.window)))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

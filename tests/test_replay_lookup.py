@@ -1,0 +1,89 @@
+"""scripts/replay_lookup.py's drift replay and scripts/record_drift.py, run as a user runs
+them (the recorder on the real SmolLM2; the replay on a small table written here, since
+measuring the real ones takes minutes)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from lookup_tasks import TASKS  # noqa: E402
+from replay_lookup import Drift  # noqa: E402
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_drift_is_each_step_over_its_width_at_the_recorded_median():
+    # one-row steps of 10 ms, 20-row steps of 80 ms; the machine halves its speed at 1 s
+    steps = [(t / 10, rows, ms * (2 if t >= 10 else 1)) for t, (rows, ms) in enumerate([(1, 10.0), (20, 80.0)] * 10)]
+    drift = Drift(steps)
+    early, late = drift.factor(500.0), drift.factor(1500.0)
+    assert late == 2 * early
+    assert drift.factor(500.0 + drift.span_ms) == early  # the record repeats past its end
+    assert drift.starts(4) == [0.0, drift.span_ms / 4, drift.span_ms / 2, drift.span_ms * 3 / 4]
+
+
+def _copying_session(tmp_path: Path) -> Path:
+    """A --load file: one model whose every answer copies its prompt's 60 tokens twice,
+    and one cost table (ratios by width) for every task."""
+    prompt = list(range(100, 160))
+    answers = {name: (prompt, (prompt * 3)[:128]) for name in TASKS}
+    ratios = {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.4, 16: 7.0, 33: 13.0, 49: 19.0}
+    path = tmp_path / "session.json"
+    path.write_text(json.dumps({"tiny": {"answers": answers, "cost": ratios}}))
+    return path
+
+
+def test_replay_under_a_recorded_drift_reports_every_start(tmp_path):
+    session = _copying_session(tmp_path)
+    record = tmp_path / "drift.json"
+    steps = [(t / 20, rows, ms * (1.5 if (t // 40) % 2 else 1.0))
+             for t, (rows, ms) in enumerate([(1, 10.0), (1, 10.0), (20, 90.0), (49, 190.0)] * 50)]
+    record.write_text(json.dumps({"model": "tiny", "steps": steps}))
+    quiet = _run("replay_lookup.py", "--load", str(session))
+    drifting = _run("replay_lookup.py", "--load", str(session), "--drift", str(record), "--drift-starts", "3")
+    assert quiet.returncode == 0 and drifting.returncode == 0, quiet.stderr[-2000:] + drifting.stderr[-2000:]
+    header = re.compile(r"LU/simple +lowest\n")
+    assert not header.search(quiet.stdout) and header.search(drifting.stdout) and "from 3 starts" in drifting.stdout
+    row = re.search(r"\n  rename +([\d.]+)x +(\d+)/(\d+) +([\d.]+)x.* ([\d.]+) +([\d.]+)\n", drifting.stdout)
+    assert row, drifting.stdout
+    x, accepted, drafted, simple, vs_simple, lowest = row.groups()
+    assert int(accepted) > 0 and int(drafted) <= 3 * 128  # three replays' drafts, summed
+    assert float(x) > 1.0  # a copying answer pays, whatever the drift made the controller believe
+    assert float(lowest) <= float(vs_simple)
+
+
+def test_replay_refuses_a_missing_or_foreign_drift_record_in_one_line(tmp_path):
+    session = _copying_session(tmp_path)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"steps": [[0.0, 20, 90.0]]}))  # no one-row step to measure speed by
+    for record in (tmp_path / "none.json", foreign, session):
+        done = _run("replay_lookup.py", "--load", str(session), "--drift", str(record))
+        assert done.returncode == 2
+        assert done.stderr.strip().count("\n") == 0 and "record_drift.py" in done.stderr
+
+
+def test_record_drift_writes_its_steps_and_prints_each_window(smollm2_gguf, tmp_path):
+    out = tmp_path / "drift.json"
+    done = _run("record_drift.py", "--model", str(smollm2_gguf), "--seconds", "3", "--window", "1", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert {rows for _, rows, _ in steps} >= {1, 20, 49} and all(ms > 0 for _, _, ms in steps)
+    assert len(Drift(steps).factors) == len(steps)
+    windows = [line for line in done.stdout.splitlines() if "one-row" in line and " ms " in line]
+    assert windows and all(re.search(r"49: *[\d.]+", w) for w in windows[:-1])  # a full window holds every width
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_record_drift_refuses_a_bad_argument_in_one_line(tmp_path):
+    done = _run("record_drift.py", "--seconds", "0", "--out", str(tmp_path / "d.json"))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith("error: ")
