@@ -18,11 +18,11 @@ drafts copy with it made, and a match goes on behind it (a long match, not a fre
 **How much to draft.** A long match is evidence that the answer is copying a span (a
 code edit, a quote), so `DraftController` keeps one acceptance estimate per band of
 match length, and `StepCost` (step_cost.py) follows what a step costs per number of
-rows, apart from the machine's speed of the moment (on a CPU a wider step is sublinear: weights are read once per step, so 17
-rows cost ~7 single steps on Gemma-3, not 17). The draft length is the one that
-maximises expected tokens per unit of step time; when no length pays by a margin, the
-step is a plain one. These estimates change how many tokens a step verifies, never
-which tokens come out.
+rows, apart from the machine's speed of the moment (on a CPU a wider step is sublinear:
+weights are read once per step, so 17 rows cost ~7 single steps on Gemma-3, not 17).
+The draft length is the one that maximises expected tokens per unit of step time; when
+no length pays by a margin, the step is a plain one. These estimates change how many
+tokens a step verifies, never which tokens come out.
 
 **Evidence for free.** A plain step taken where a match existed still tests the lookup:
 the controller keeps what it would have drafted (a shadow draft) and judges it against

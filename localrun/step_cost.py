@@ -17,7 +17,8 @@ changes slowly (longer contexts cost wide steps more), and neighbouring widths s
 is learned about them (their prior covariance falls with their distance in log rows), so
 one noisy measurement of 20 rows is weighed against 17 and 24 rather than kept alone.
 A draft is priced by the shape only: the speed of the moment cancels out of "is a 20-row
-step worth 20 tokens' chance".
+step worth 20 tokens' chance". The engine times only steps with a single sequence in
+them (a server step shared by several streams says nothing clean about one of them).
 
 Why not a ratio to recent one-row steps (localrun's earlier rule): a wide width measured
 once keeps the moment it was measured in. Traced on SmolLM2's edit task, the prices
@@ -50,6 +51,9 @@ import numpy as np
 
 
 class StepCost:
+    """One model's step cost by rows: the filter of the module's docstring, fed every
+    single-sequence step the engine times, read by DraftController as prices."""
+
     MAX_ROWS = 64  # widths the filter knows; wider steps are priced by extension (none drafts that wide today)
     JITTER = 0.08  # a step's own scatter, sd in log ms (measured 0.075-0.096, see above)
     # The speed's random walk, variance in log per ms of stepping: the recorded one-row
@@ -98,21 +102,23 @@ class StepCost:
             self._age()
         cov = self._cov
         cov[0, 0] += self.SPEED_DRIFT * ms
-        seen = [0] if rows <= 1 else [0, rows - 1]  # the state this step's log time sums
-        surprise = math.log(ms) - float(self._mean[seen].sum())
-        spread = float(cov[np.ix_(seen, seen)].sum()) + self.JITTER ** 2
+        # this step's log time is the speed plus its width's shape (state rows - 1; one row: none)
+        shape = rows - 1 if rows > 1 else 0
+        link = cov[:, 0] + cov[:, shape] if shape else cov[:, 0].copy()  # each state's covariance with it
+        surprise = math.log(ms) - float(self._mean[0] + (self._mean[shape] if shape else 0.0))
+        spread = float(link[0] + (link[shape] if shape else 0.0)) + self.JITTER ** 2
         bound = self.SPIKE * math.sqrt(spread)
         outlier = 0 if abs(surprise) <= bound else 1 if surprise > 0 else -1
         if outlier and outlier == self._last_outlier or not self._steps:
             # a second outlier the same way is the speed that changed (another program
             # started or stopped), not a spike: the speed takes it at once
             cov[0, 0] += surprise * surprise
+            link[0] += surprise * surprise
             spread += surprise * surprise
             outlier = 0
         self._last_outlier = outlier
         if outlier:
             surprise = outlier * bound
-        link = cov[:, seen].sum(axis=1)  # covariance of every state with the predicted log time
         self._mean += link * (surprise / spread)
         cov -= np.outer(link, link) / spread  # exactly symmetric: a_i * a_j == a_j * a_i
         self._steps += 1
