@@ -48,7 +48,7 @@ on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/batch_drift.py). Without all
 but prompt reading gets 1.1x (Q4_1) to 2.1x (K-quants) slower and a wide step 1.6-1.9x
 dearer, so localrun keeps the fast kernels. By default a greedy token is taken from a
 wide step's row as from a one-row step: a near-tie can go the other way than without
-lookup (measured: 26-28 of 36 answers identical from run to run, scripts/bench_lookup.py;
+lookup (measured: 26-30 of 36 answers identical from run to run, scripts/bench_lookup.py;
 llama-server's n-gram modes kept 34 of the 36 in one same run, drafting only behind a
 12-token match, so that open chats rarely take a wide step). With
 `LookupConfig(exact_greedy=True)` it bounds the kernels' effect instead: `BatchDrift`
