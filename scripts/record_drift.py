@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench_lookup import MODELS, resolve_model
 from lookup_tasks import prompt_texts
+from replay_lookup import read_prompt, timed_step
 
 # one-row steps between the wide ones, as a drafting answer's are
 CYCLE = (1, 1, 20, 1, 49, 1, 1, 6, 1, 12, 1, 33, 1, 1, 3)
@@ -26,26 +27,19 @@ SHOWN = (3, 6, 12, 20, 33, 49)
 
 def record(path: Path, seconds: float, threads: int, task: str = "edit") -> list[tuple[float, int, float]]:
     """(seconds since the start, rows, ms) of each timed step."""
-    from localrun.backends.base import BatchEntry
     from localrun.engine import Engine
 
     eng = Engine.open(path, n_ctx=4096, threads=threads)
     try:
-        be, text = eng.backend, prompt_texts(eng.info.chat_template is not None)[task]
+        text = prompt_texts(eng.info.chat_template is not None)[task]
         prompt = eng.chat_prompt([{"role": "user", "content": text}]) if eng.info.chat_template else eng.tokenize(text)
-        be.kv_clear(0)
-        for pos in range(0, len(prompt), be.n_batch):
-            be.decode([BatchEntry(0, prompt[pos:pos + be.n_batch], pos, 0)])
+        read_prompt(eng.backend, prompt)
         steps, start, i = [], time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
             rows = CYCLE[i % len(CYCLE)]
             i += 1
-            filler = (prompt * (rows // len(prompt) + 1))[:rows]  # which tokens does not change a step's time
-            t0 = time.perf_counter()
-            be.decode([BatchEntry(0, filler, len(prompt), rows)])
-            t1 = time.perf_counter()
-            be.kv_trim(0, len(prompt))
-            steps.append((t0 - start, rows, (t1 - t0) * 1000))
+            at = time.perf_counter() - start
+            steps.append((at, rows, timed_step(eng.backend, prompt, rows) * 1000))
         return steps
     finally:
         eng.close()

@@ -142,22 +142,36 @@ def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
         eng.close()
 
 
-def measure_table(be, prompt: list[int], reps: int) -> dict:
-    """Step times after `prompt`, every width in turn, `reps` rounds (medians): the ratios
-    to a one-row step's, and that step's ms."""
+def read_prompt(be, prompt: list[int]) -> None:
+    """Sequence 0 holds `prompt` alone, read in n_batch chunks."""
     from localrun.backends.base import BatchEntry
 
     be.kv_clear(0)
     for pos in range(0, len(prompt), be.n_batch):
         be.decode([BatchEntry(0, prompt[pos:pos + be.n_batch], pos, 0)])
+
+
+def timed_step(be, prompt: list[int], rows: int) -> float:
+    """Seconds of one step of `rows` rows (every row's logits) after `prompt`, which
+    sequence 0 holds again afterwards."""
+    from localrun.backends.base import BatchEntry
+
+    filler = (prompt * (rows // len(prompt) + 1))[:rows]  # which tokens does not change a step's time
+    t0 = time.perf_counter()
+    be.decode([BatchEntry(0, filler, len(prompt), rows)])
+    elapsed = time.perf_counter() - t0
+    be.kv_trim(0, len(prompt))
+    return elapsed
+
+
+def measure_table(be, prompt: list[int], reps: int) -> dict:
+    """Step times after `prompt`, every width in turn, `reps` rounds (medians): the ratios
+    to a one-row step's, and that step's ms."""
+    read_prompt(be, prompt)
     times: dict[int, list[float]] = {w: [] for w in WIDTHS}
     for _ in range(reps):
         for w in WIDTHS:
-            t0 = time.perf_counter()
-            filler = (prompt * (w // len(prompt) + 1))[:w]  # which tokens does not change a step's time
-            be.decode([BatchEntry(0, filler, len(prompt), w)])
-            times[w].append(time.perf_counter() - t0)
-            be.kv_trim(0, len(prompt))
+            times[w].append(timed_step(be, prompt, w))
     one = statistics.median(times[1])
     return {"one_ms": one * 1000, "ratios": {w: statistics.median(t) / one for w, t in times.items()}}
 
