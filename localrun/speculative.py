@@ -134,11 +134,14 @@ class NgramIndex:
             return [], 0
         return history[end + 1 : end + 1 + k], length
 
-    def locate(self, history: list[int], edits: LearnedEdits | None = None) -> tuple[int, int]:
+    def locate(self, history: list[int], edits: LearnedEdits | None = None,
+               also: int | None = None) -> tuple[int, int]:
         """Where the longest recent earlier match of the history's tail ends, and its
         length ((-1, 0): no earlier occurrence of the last two tokens). With `edits`, a
         match goes on behind a spot where the answer made an edit it learned (a renamed
-        name), counted on the answer's side."""
+        name), counted on the answer's side. `also`: one more place to try first, the
+        one the answer has just been copying (in code a pair like `last`, `_ts` recurs
+        more often than the CANDIDATES most recent places reach back)."""
         self.sync(history)
         n = len(history)
         if n < 3:
@@ -148,7 +151,8 @@ class NgramIndex:
             return -1, 0
         best = (-1, 0)
         seen = 0
-        for end in reversed(places):
+        first = [also] if also is not None and also in places else []
+        for end in first + places[::-1]:
             if end >= n - 1:  # the tail itself
                 continue
             exact = 2
@@ -257,6 +261,7 @@ class DraftController:
         self.index = NgramIndex()
         self.edits = LearnedEdits(MAX_EDITS if cfg.learn_edits else 0)
         self.band = -1  # the band of the draft in flight
+        self.match = 0  # the match length the last draft() decided on
         self._flight: tuple[int, list] | None = None  # the draft in flight: history length, origins
         self._after: tuple[int, int] | None = None  # (answer, source) index of the token after a kept draft
         self._shadow: tuple[int, int, list[int]] | None = None  # band, history length, tokens
@@ -271,16 +276,22 @@ class DraftController:
 
     def draft(self, history: list[int], room: int) -> list[int]:
         """The tokens to verify after the pending one ([] for a plain step)."""
+        self.match = 0
         if not self.cfg.enabled or room <= 0:
             return []
         self._judge_shadow(history)
+        resumed = None  # the source index the answer's last token copied, where known
         if self._after is not None:
             answer, source = self._after
             self._after = None
-            if source < answer < len(history) and self.edits.copy(history, source, 1)[0] != [history[answer]]:
-                self.edits.missed(source, answer)
+            if source < answer < len(history):
+                if self.edits.copy(history, source, 1)[0] != [history[answer]]:
+                    self.edits.missed(source, answer)
+                elif answer == len(history) - 1 and history[source] == history[answer]:
+                    resumed = source
         self.edits.resync(history)
-        end, match = self.index.locate(history, self.edits)
+        end, match = self.index.locate(history, self.edits, also=resumed)
+        self.match = match
         if match < self.cfg.min_match:
             return []
         period = len(history) - 1 - end  # how far back the match ends

@@ -8,13 +8,16 @@ traced task is the one of the last round.
 
     python scripts/trace_lookup.py --model gemma --task edit
     python scripts/trace_lookup.py --model smollm2 --task bicycle --rounds 1
+    python scripts/trace_lookup.py --model smollm2 --task rename --text
 
 For every step of the traced answer where the history's tail matched earlier text: the
 match length, its band and acceptance rate, the draft length chosen, and the price the
 controller put on a few widths (in one-row steps). For every step the engine timed: its
 rows, its ms, the one-row time the step-cost model held for that moment (the machine's
 speed as it followed it), and how many drafted tokens it kept.
-A run of plain steps without a match prints as one line.
+A run of plain steps without a match prints as one line. With `--text`, each decision
+also shows the history's last tokens and the draft as text (where a copy parted from its
+source, and which occurrence a match took).
 
 Why: the benchmark's tok/s says that a plan was slow, the replay (scripts/replay_lookup.py)
 what a plan would cost on a quiet machine; this says what the engine believed when it chose,
@@ -35,7 +38,8 @@ PRICED = (2, 4, 8, 12, 20, 30, 40, 49)  # widths whose price each decision print
 class Tracer:
     """Collects the traced answer's decisions and timed steps as printable lines."""
 
-    def __init__(self) -> None:
+    def __init__(self, detokenize=None) -> None:
+        self.detokenize = detokenize  # with --text: tokens -> str, to show the tail and the draft
         self.on = False
         self.lines: list[str] = []
         self._quiet: list[float] = []  # one-row steps without a match since the last line
@@ -54,6 +58,8 @@ class Tracer:
         self.flush_quiet()
         self.lines.append(f"  pos {len(history):4}  match {match:2}  band {band}  rate {ctrl.rate(band):.3f}  "
                           f"draft {len(draft):2}  | price {prices}")
+        if self.detokenize is not None:
+            self.lines.append(f"      tail {self.detokenize(history[-12:])!r}  draft {self.detokenize(draft)!r}")
 
     def step(self, rows: int, ms: float, one_row: float | None, matched: bool) -> None:
         if rows == 1 and not matched:
@@ -81,7 +87,7 @@ def traced(engine, tracer: Tracer):
     def traced_draft(ctrl, history, room):
         out = draft(ctrl, history, room)
         if tracer.on:
-            match = ctrl.index.locate(history, ctrl.edits)[1]  # the same answer draft() had
+            match = ctrl.match
             matched[0] = match >= ctrl.cfg.min_match
             if matched[0]:
                 tracer.decision(ctrl, history, out, match)
@@ -114,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="times through the tasks; the last one's is traced")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--text", action="store_true", help="show each decision's history tail and draft as text")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.max_tokens < 1:
         print("error: --rounds and --max-tokens must be at least 1", file=sys.stderr)
@@ -136,7 +143,7 @@ def main(argv=None) -> int:
             eng.backend.kv_clear(0)  # every run prefills in full, as in bench_lookup.py
             return eng.complete(prompts[name], sampling=greedy, max_tokens=max_tokens, lookup=lookup)
 
-        tracer = Tracer()
+        tracer = Tracer(eng.detokenize if args.text else None)
         print(f"{label}: tasks in bench_lookup.py's order, greedy, {args.max_tokens} tokens, threads {args.threads}")
         with traced(eng, tracer):
             first = next(iter(TASKS))

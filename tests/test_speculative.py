@@ -430,6 +430,22 @@ def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_befo
     assert model.rate(band) > before  # and the model learnt it too
 
 
+def test_after_a_kept_draft_the_copy_goes_on_where_it_was_even_behind_a_common_pair():
+    # Code repeats a pair such as (`last`, `_ts`) more often than the CANDIDATES most
+    # recent places reach back: the copy the answer was making must still be found.
+    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.05))
+    pair = [7, 8]
+    source = list(range(100, 120)) + pair + list(range(200, 240))
+    source += [n for i in range(2 * speculative.CANDIDATES) for n in (50 + i, *pair, 60 + i)]  # the pair, often
+    h = source + [1] + list(range(100, 112))  # the answer copies the source's start...
+    draft = c.draft(h, 9)
+    assert draft == list(range(112, 120)) + [7]
+    c.record(len(draft), len(draft))  # ...all kept, and the step's own token copies on too
+    h += draft + [8]
+    assert NgramIndex().find(h, 4)[1] == 2  # the most recent places alone give a 2-token match
+    assert c.draft(h, 10)[:3] == [200, 201, 202]
+
+
 def test_controller_lengthens_drafts_when_they_are_accepted():
     c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 140))

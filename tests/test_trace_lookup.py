@@ -15,7 +15,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_trace_shows_each_decision_of_a_copying_answer_and_the_step_that_verified_it(smollm2_gguf):
-    done = _run("--model", str(smollm2_gguf), "--task", "edit", "--rounds", "1", "--max-tokens", "24")
+    done = _run("--model", str(smollm2_gguf), "--task", "edit", "--rounds", "1", "--max-tokens", "24", "--text")
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert re.search(r"round 1 edit +lookup +[\d.]+ tok/s", out)
@@ -27,6 +27,9 @@ def test_trace_shows_each_decision_of_a_copying_answer_and_the_step_that_verifie
     drafted = [s for s in steps if not s.lstrip().startswith("step  1 ")]
     assert drafted, "a copied code edit drafts"
     assert all(re.search(r"kept \d+/\d+$", s) for s in drafted)  # every wide step got its verdict
+    texts = [line for line in trace if line.lstrip().startswith("tail ")]
+    assert len(texts) == len(decisions)  # --text: each decision's tail and draft as text
+    assert any("merge_intervals" in t for t in texts)  # the function the answer copies
 
 
 def test_trace_refuses_a_bad_argument_in_one_line():
