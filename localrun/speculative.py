@@ -68,6 +68,7 @@ to let it through, so the KV cache is the likelier cause.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -146,13 +147,14 @@ class NgramIndex:
         n = len(history)
         if n < 3:
             return -1, 0
-        places = self._at.get((history[-2], history[-1]))
+        tail = history[-2], history[-1]
+        places = self._at.get(tail)
         if not places:
             return -1, 0
         best = (-1, 0)
         seen = 0
-        first = [also] if also is not None and also in places else []
-        for end in first + places[::-1]:
+        first = [also] if also is not None and 0 < also < n - 1 and (history[also - 1], history[also]) == tail else []
+        for end in chain(first, reversed(places)):
             if end >= n - 1:  # the tail itself
                 continue
             exact = 2
