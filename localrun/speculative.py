@@ -289,8 +289,8 @@ class DraftController:
             if source < answer < len(history):
                 if self.edits.copy(history, source, 1)[0] != [history[answer]]:
                     self.edits.missed(source, answer)
-                elif answer == len(history) - 1 and history[source] == history[answer]:
-                    resumed = source
+                elif answer == len(history) - 1:
+                    resumed = source  # locate() tries it where its pair is the tail's
         self.edits.resync(history)
         end, match = self.index.locate(history, self.edits, also=resumed)
         self.match = match
