@@ -324,6 +324,23 @@ def test_controller_drafts_only_what_pays_at_the_measured_cost():
     assert cheap.best_length(0.8, 8) > 2
 
 
+def test_where_a_longer_draft_pays_barely_more_the_shorter_is_taken():
+    # SmolLM2 on this CPU: a row costs ~0.45 one-row steps, so past ~20 tokens a longer
+    # draft is expected to pay 1-2% more while a departure in it loses every row after it.
+    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.45))
+
+    def gain(k: int, rate: float = 0.999) -> float:
+        return sum(rate ** i for i in range(k + 1)) / c.row_cost(k + 1)
+
+    most = max(range(49), key=gain)
+    assert most == 48  # the gain still rises to the longest draft...
+    k = c.best_length(0.999, 48)
+    assert 16 <= k < 40  # ...but a far shorter one is taken
+    assert gain(k) >= speculative.NEAR_BEST * gain(most) > gain(k - 1)  # the shortest one that pays nearly as much
+    steep = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
+    assert steep.best_length(0.999, 48) >= 44  # where each token adds more, the draft stays long
+
+
 def test_longer_matches_draft_longer():
     c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 140))
@@ -387,7 +404,7 @@ def test_a_new_generation_starts_from_the_models_record_until_its_own_drafts_fai
 
 
 def test_a_draft_goes_around_a_loop_the_answer_repeats():
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.05))
+    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
     loop = [11, 12, 13, 14]
     h = [1, 2, 3] + loop * 3 + loop[:2]  # the tail has gone around a 4-token loop three times
     assert c.draft(h, 10) == (loop[2:] + loop * 2)[:10]  # not just the 3 tokens up to the end
@@ -408,7 +425,8 @@ def test_a_phrase_the_answer_repeats_drafts_shorter_than_a_copy_of_the_prompt():
     assert 0 < len(repeating) < len(copying)
     loop = [11, 12, 13, 14]
     h = [1, 2, 3] + loop * 3 + loop[:2]
-    assert len(DraftController(cfg, answer_start=1).draft(h, 10)) == 10  # a loop goes on as a copy does
+    cheap = LookupConfig(measure_cost=False, cost_per_draft=0.01)  # where every drafted token pays
+    assert len(DraftController(cheap, answer_start=1).draft(h, 10)) == 10  # a loop goes on as a copy does
 
 
 def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_before():
@@ -433,7 +451,7 @@ def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_befo
 def test_after_a_kept_draft_the_copy_goes_on_where_it_was_even_behind_a_common_pair():
     # Code repeats a pair such as (`last`, `_ts`) more often than the CANDIDATES most
     # recent places reach back: the copy the answer was making must still be found.
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.05))
+    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
     pair = [7, 8]
     source = list(range(100, 120)) + pair + list(range(200, 240))
     source += [n for i in range(2 * speculative.CANDIDATES) for n in (50 + i, *pair, 60 + i)]  # the pair, often
