@@ -29,6 +29,7 @@ from . import drift_cache, slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, Timings
 from .grammar import GrammarMatcher, build_tokenizer
+from .lookup_edits import Spelling
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
 from .speculative import Acceptance, DraftController, margin_change
@@ -68,6 +69,9 @@ class Engine:
         self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
         self.step_cost = StepCost()  # what a wider speculative step costs on this model
         self.acceptance = Acceptance()  # what this model's drafts have done lately, per match length
+        # tokens as bytes and text as tokens, for drafts that mirror an edit (lookup_edits)
+        self.spelling = Spelling(backend.token_bytes,
+                                 lambda text: backend.tokenize(text, add_special=False, parse_special=False))
         self.drift = drift_cache.recall(backend)  # how far a wide step's rows stray from one-row steps'
 
     @property
@@ -179,7 +183,8 @@ class Engine:
             timings=Timings(prompt_tokens=len(tokens), cached_tokens=n_keep),
         )
         if request.lookup.enabled:
-            gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance, answer_start=len(tokens))
+            gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance, answer_start=len(tokens),
+                                         spelling=self.spelling)
         if request.tools:  # prepare() built and compiled it: cache hits
             grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))

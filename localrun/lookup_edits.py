@@ -3,10 +3,24 @@ make them too (see `LearnedEdits`; the drafting itself is in speculative.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 MAX_EDIT = 4  # tokens on either side of an edit the answer makes to what it copies (longer: a rewrite)
 MAX_EDITS = 32  # learned edits kept per answer
 
 Edit = tuple[tuple[int, ...], tuple[int, ...]]  # (the tokens copied from, what the answer wrote instead)
+# How far after a dropped opening bracket its closer is looked for, in source tokens.
+MIRROR_REACH = 64
+_CLOSER = {ord("("): ord(")"), ord("["): ord("]"), ord("{"): ord("}")}
+
+
+class Spelling:
+    """What a draft needs of the vocabulary to mirror an edit: each token's bytes, and
+    text tokenized back (a backend's `token_bytes` and `tokenize`)."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], tokenize: Callable[[str], list[int]]) -> None:
+        self.token_bytes = token_bytes
+        self.tokenize = tokenize
 
 
 class LearnedEdits:
@@ -26,19 +40,33 @@ class LearnedEdits:
         edits.missed(source=1, answer=6)  # a draft copying from 0 failed at 6 (8, not 7)
         edits.resync(h)  # 2 3 agrees again after it: 7 -> 8 is learned
         edits.copy(h, 0, 4)  -> ([1, 8, 2, 3], [(0, None), (1, ((7,), (8,))), (2, None), (3, None)])
+
+    With the vocabulary's `Spelling`, an edit that drops an opening bracket the source
+    had also drops the bracket that closed it there: SmolLM2 copies `append(("short",
+    raw))` as `append("short", raw)`, and without the mirror the draft that follows the
+    learned `(` fails at `))` (a 13-row step that kept 2 tokens, on the rename task of
+    scripts/bench_lookup.py). The mirror is an edit of that one source token, not of
+    every `))`.
     """
 
-    def __init__(self, capacity: int = MAX_EDITS) -> None:
+    def __init__(self, capacity: int = MAX_EDITS, spelling: Spelling | None = None) -> None:
         self.capacity = capacity  # 0: learn nothing
+        self.spelling = spelling  # None: no bracket is mirrored
         self._by_first: dict[int, list[Edit]] = {}  # first source token -> edits, longest first
+        self._drops: dict[Edit, int] = {}  # edits that drop an opening bracket -> its byte in their old bytes
+        self._mirrors: dict[int, Edit] = {}  # source index -> the edit of that one token
         self._count = 0
         self._miss: tuple[int, int] | None = None  # (source, answer) index of a failed draft token
 
     def __len__(self) -> int:
-        return self._count
+        return self._count + len(self._mirrors)
 
     def missed(self, source: int, answer: int) -> None:
         """A draft token copied from `source` was not what the answer wrote at `answer`."""
+        left_out = [i for i in range(source - MAX_EDIT, source) if self._mirrors.get(i, (None, None))[1] == ()]
+        if left_out:  # a mirror left a token out just before: the answer kept it, and copies on
+            del self._mirrors[left_out[-1]]
+            return
         self._miss = (source, answer)
 
     def resync(self, history: list[int]) -> None:
@@ -70,22 +98,78 @@ class LearnedEdits:
             # drafts then wrote `float(parts[0])` as `floatparts[0])`.
             if s == 0 or history[s - 1] != history[p - 1]:
                 return
-            old, new = (history[s - 1], *old), (history[p - 1], *new)
+            old, new, s = (history[s - 1], *old), (history[p - 1], *new), s - 1
         if old != new and self._count < self.capacity and (old, new) not in self._by_first.get(old[0], ()):
             edits = self._by_first.setdefault(old[0], [])
             edits.append((old, new))
             edits.sort(key=lambda e: -len(e[0]))
             self._count += 1
+            drop = self._dropped_bracket(old, new)
+            if drop is not None:
+                self._drops[(old, new)] = drop
+                self._mirror(history, s, (old, new), p)
 
-    def forget(self, edit: Edit) -> None:
+    def _dropped_bracket(self, old: tuple[int, ...], new: tuple[int, ...]) -> int | None:
+        """Where in old's bytes the opening bracket sits that `new` leaves out, when
+        leaving it out is all the edit does (None: it is not, or no spelling)."""
+        if self.spelling is None:
+            return None
+        was = b"".join(map(self.spelling.token_bytes, old))
+        now = b"".join(map(self.spelling.token_bytes, new))
+        if len(was) != len(now) + 1:
+            return None
+        at = next((i for i in range(len(now)) if was[i] != now[i]), len(now))
+        return at if was[at] in _CLOSER and was[:at] + was[at + 1 :] == now else None
+
+    def _mirror(self, text: list[int], s: int, edit: Edit, end: int) -> None:
+        """`edit` copies text[s:] dropping an opening bracket: the token of text[s:end]
+        that closes it is copied without its closer too (the answer keeps its brackets
+        balanced). Brackets inside strings are counted as any other."""
+        old, _ = edit
+        depth, skip, opener = 0, self._drops[edit], None  # skip: bytes before the dropped bracket
+        for i in range(s, min(end, s + MIRROR_REACH)):
+            piece = self.spelling.token_bytes(text[i])
+            for j, byte in enumerate(piece):
+                if skip:
+                    skip -= 1
+                elif opener is None:
+                    opener, depth = byte, 1
+                elif byte in _CLOSER:
+                    depth += 1
+                elif byte in b")]}":
+                    depth -= 1
+                    if depth == 0:
+                        if byte == _CLOSER[opener] and i >= s + len(old) and i not in self._mirrors:
+                            self._mirror_at(i, text[i], piece[:j] + piece[j + 1 :])
+                        return
+
+    def _mirror_at(self, i: int, token: int, rest: bytes) -> None:
+        """Copy source token i as `rest` from now on."""
+        try:
+            wrote = tuple(self.spelling.tokenize(rest.decode("utf-8"))) if rest else ()
+        except UnicodeDecodeError:  # the bracket sat beside part of a character
+            return
+        if len(self._mirrors) >= self.capacity:  # the oldest is likely one the answer is past
+            del self._mirrors[next(iter(self._mirrors))]
+        self._mirrors[i] = ((token,), wrote)
+
+    def forget(self, edit: Edit, at: int | None = None) -> None:
+        """The answer did not make `edit` where source index `at` was copied."""
+        if at is not None and self._mirrors.get(at) == edit:
+            del self._mirrors[at]
+            return
         edits = self._by_first.get(edit[0][0], [])
         if edit in edits:
             edits.remove(edit)
+            self._drops.pop(edit, None)
             self._count -= 1
 
     def _at(self, history: list[int], i: int) -> Edit | None:
         """The edit to make to the source at i: none where the text already reads as
         edited (a copy of the answer's own earlier text)."""
+        mirror = self._mirrors.get(i)
+        if mirror is not None and history[i] == mirror[0][0]:
+            return mirror
         for old, new in self._by_first.get(history[i], ()):
             if tuple(history[i : i + len(old)]) != old:
                 continue
@@ -109,8 +193,10 @@ class LearnedEdits:
                 if not loop or text is not history or not out:
                     break
                 text = history + out
-            edit = self._at(text, i) if self._count else None
+            edit = self._at(text, i) if self._count or self._mirrors else None
             wrote = (text[i],) if edit is None else edit[1]
+            if edit in self._drops and text is history:
+                self._mirror(history, i, edit, len(history))
             out.extend(wrote)
             origins.extend((i, edit) for _ in wrote)
             if text is not history:
@@ -122,9 +208,14 @@ class LearnedEdits:
         """A match of `length` tokens whose first disagreement is answer index a against
         source index b, extended backwards across learned edits (answer tokens counted),
         up to `limit`."""
-        while self._count and length < limit and b >= 0 and a > b:
+        while (self._count or self._mirrors) and length < limit and b >= 0 and a > b:
             if history[a] == history[b]:
                 a, b, length = a - 1, b - 1, length + 1
+                continue
+            mirror = self._mirrors.get(b)
+            if (mirror is not None and history[b] == mirror[0][0] and a - len(mirror[1]) >= b
+                    and tuple(history[a - len(mirror[1]) + 1 : a + 1]) == mirror[1]):
+                a, b, length = a - len(mirror[1]), b - 1, length + len(mirror[1])
                 continue
             edit = next((e for edits in self._by_first.values() for e in edits
                          if a - len(e[1]) + 1 > b and b - len(e[0]) + 1 >= 0

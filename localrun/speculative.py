@@ -72,7 +72,7 @@ from itertools import chain
 
 import numpy as np
 
-from .lookup_edits import MAX_EDITS, LearnedEdits
+from .lookup_edits import MAX_EDITS, LearnedEdits, Spelling
 from .step_cost import StepCost
 
 # Match-length bands (upper bounds, inclusive) and the acceptance each starts from before
@@ -267,17 +267,18 @@ class DraftController:
     pays most given the model's step cost."""
 
     def __init__(self, cfg: LookupConfig, cost: StepCost | None = None, model: Acceptance | None = None,
-                 answer_start: int | None = None) -> None:
+                 answer_start: int | None = None, spelling: Spelling | None = None) -> None:
         """`cost` and `model` are the model's (shared by its generations): the measured
         step cost, and the acceptance its drafts had lately. `answer_start`: where the
         answer begins in the history (the prompt's length); None: every match is taken
-        as a copy of given text."""
+        as a copy of given text. `spelling`: the vocabulary's, for edits that mirror a
+        dropped bracket (see LearnedEdits)."""
         self.cfg = cfg
         self.answer_start = answer_start
         self.cost = cost if cost is not None else StepCost()
         self.acceptance = Acceptance(prior=model)
         self.index = NgramIndex()
-        self.edits = LearnedEdits(MAX_EDITS if cfg.learn_edits else 0)
+        self.edits = LearnedEdits(MAX_EDITS if cfg.learn_edits else 0, spelling)
         self.band = -1  # the band of the draft in flight
         self.match = 0  # the match length the last draft() decided on
         self._flight: tuple[int, list] | None = None  # the draft in flight: history length, origins
@@ -379,7 +380,7 @@ class DraftController:
             if accepted < drafted:
                 source, edit = origins[accepted]
                 if edit is not None:
-                    self.edits.forget(edit)  # the answer did not make that edit here
+                    self.edits.forget(edit, source)  # the answer did not make that edit here
                 self.edits.missed(source, start + accepted)
             else:  # the token after the draft may leave the copy too: the next draft looks
                 source, edit = origins[-1]

@@ -8,7 +8,7 @@ import dataclasses
 
 from localrun.engine import Engine
 from localrun.sampling import SamplingParams
-from localrun.lookup_edits import LearnedEdits
+from localrun.lookup_edits import LearnedEdits, Spelling
 from localrun.speculative import BatchDrift, DraftController, LookupConfig, NgramIndex
 
 from fakes import EOS, ScriptedBackend
@@ -125,24 +125,89 @@ def test_a_match_goes_on_behind_a_learned_edit():
     assert index.locate(h, edits) == (17, 18)
 
 
-def test_an_engine_drafts_a_rename_and_writes_what_it_writes_without_lookup():
-    prompt = [1, 2, *SOURCE, 3, 4]
-    answer = [*RENAMED, EOS]
+def scripted_run(prompt: list[int], answer: list[int], lookup, spelled: bool = True) -> tuple[list[int], int]:
+    """What an engine writes, greedy, over a backend that writes `answer` after `prompt`,
+    and how many decode calls it took; `spelled=False`: the engine drafts without the
+    vocabulary's spelling (no bracket is mirrored)."""
 
-    def renaming_model(hist: list[int]) -> int:
+    def model(hist: list[int]) -> int:
         i = len(hist) - len(prompt)
         return answer[i] if 0 <= i < len(answer) else EOS
 
-    def run(lookup):
-        be = ScriptedBackend(script=renaming_model, n_ctx=256, n_batch=32)
-        eng = Engine(be)
-        eng.drift = BatchDrift.known(0.0)
-        events = list(eng.generate(prompt, sampling=SamplingParams(temperature=0), max_tokens=100, lookup=lookup))
-        return [t for e in events for t in e.tokens], len(be.calls)
+    be = ScriptedBackend(script=model, n_ctx=512, n_batch=64)
+    eng = Engine(be)
+    eng.drift = BatchDrift.known(0.0)
+    if not spelled:
+        eng.spelling = None
+    events = list(eng.generate(prompt, sampling=SamplingParams(temperature=0), max_tokens=200, lookup=lookup))
+    return [t for e in events for t in e.tokens], len(be.calls)
 
-    plain, plain_calls = run(False)
-    learned, learned_calls = run(CHEAP)
-    unlearned, unlearned_calls = run(dataclasses.replace(CHEAP, learn_edits=False))
+
+def test_an_engine_drafts_a_rename_and_writes_what_it_writes_without_lookup():
+    prompt, answer = [1, 2, *SOURCE, 3, 4], [*RENAMED, EOS]
+    plain, plain_calls = scripted_run(prompt, answer, False)
+    learned, learned_calls = scripted_run(prompt, answer, CHEAP)
+    unlearned, unlearned_calls = scripted_run(prompt, answer, dataclasses.replace(CHEAP, learn_edits=False))
     assert plain[: len(RENAMED)] == RENAMED
     assert learned == unlearned == plain
     assert learned_calls < unlearned_calls < plain_calls
+
+
+# one token per byte, as the scripted backend spells them
+BYTES = Spelling(lambda t: bytes([t]), lambda text: list(text.encode()))
+# SmolLM2 on the rename task: a redundant pair of brackets dropped
+PAREN_SOURCE = list(b'        errors.append(("short", raw))\n        continue\n        entry = {"ts": float(parts[0])}\n')
+PAREN_ANSWER = list(b'        errors.append("short", raw)\n        continue\n        entry = {"ts": float(parts[0])}\n')
+
+
+def past_indent(failed: list[int], answer: list[int]) -> list[int]:
+    """The failures past the first line's indent (runs of spaces match anywhere) and
+    before the answer's end (where the copy goes on past it)."""
+    return [i for i in failed if answer.index(ord("e")) <= i < len(answer)]
+
+
+def test_a_dropped_opening_bracket_drops_the_bracket_that_closed_it():
+    prompt = [*PAREN_SOURCE, 3, 4]
+    dropped = PAREN_ANSWER.index(ord('"'))  # where the answer leaves the source: `((` -> `(`
+    closer = PAREN_ANSWER.index(ord(")")) + 1  # and where it writes `)` for `))`
+    _, failed, _ = write(DraftController(CHEAP, spelling=BYTES), prompt, [*PAREN_ANSWER, EOS], room=48)
+    _, failed_unspelled, _ = write(DraftController(CHEAP), prompt, [*PAREN_ANSWER, EOS], room=48)
+    assert past_indent(failed_unspelled, PAREN_ANSWER) == [dropped, closer]
+    assert past_indent(failed, PAREN_ANSWER) == [dropped]
+
+
+def test_a_mirrored_closer_is_the_one_that_matches_and_only_that_one():
+    edits = LearnedEdits(spelling=BYTES)
+    source = list(b"f((a[1], (b)), c))")
+    h = source + list(b";f(a[")  # the answer copies `f((a[` as `f(a[`
+    edits.missed(source=2, answer=len(source) + 3)
+    edits.resync(h)
+    # the `(` dropped closes at the `)` before `, c`: that one is dropped, the others stay
+    assert bytes(edits.copy(h, 0, len(source) - 2)[0]) == b"f(a[1], (b), c))"
+
+    edits = LearnedEdits(spelling=BYTES)
+    h = list(b"g([x)]") + list(b";g(x)")  # brackets that do not pair: nothing is mirrored
+    edits.missed(source=2, answer=9)
+    edits.resync(h)
+    assert bytes(edits.copy(h, 0, 5)[0]) == b"g(x)]"
+
+
+def test_a_mirror_the_answer_does_not_make_is_forgotten():
+    prompt = [*PAREN_SOURCE, 3, 4]
+    answer = list(b'        errors.append("short", raw))\n        continue\n        entry = {"ts": float(parts[0])}\n')
+    c = DraftController(CHEAP, spelling=BYTES)
+    _, failed, _ = write(c, prompt, [*answer, EOS], room=48)
+    kept = answer.index(ord(")")) + 1  # the mirror left this `)` out
+    assert past_indent(failed, answer) == [answer.index(ord('"')), kept]
+    assert not c.edits._mirrors
+
+
+def test_an_engine_mirrors_a_dropped_bracket_and_writes_what_it_writes_without_lookup():
+    prompt, answer = [1, 2, *PAREN_SOURCE, 3, 4], [*PAREN_ANSWER, EOS]
+    long_drafts = dataclasses.replace(CHEAP, max_draft=48)
+    plain, plain_calls = scripted_run(prompt, answer, False)
+    mirrored, mirrored_calls = scripted_run(prompt, answer, long_drafts)
+    unmirrored, unmirrored_calls = scripted_run(prompt, answer, long_drafts, spelled=False)
+    assert plain[: len(PAREN_ANSWER)] == PAREN_ANSWER
+    assert mirrored == unmirrored == plain
+    assert mirrored_calls < unmirrored_calls < plain_calls
