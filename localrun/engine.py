@@ -29,7 +29,6 @@ from . import drift_cache, slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, Timings
 from .grammar import GrammarMatcher, build_tokenizer
-from .lookup_edits import Spelling
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
 from .speculative import Acceptance, DraftController, margin_change
@@ -62,16 +61,14 @@ class Engine:
         self.info: ModelInfo = backend.info
         self.n_ctx = backend.n_ctx
         self._free = list(range(backend.n_seq))
-        self.token_text = TokenText.from_backend(backend)  # DRY's breakers, resolved once per model
+        # DRY's breakers, resolved once per model; and lookup's edits that mirror a bracket
+        self.token_text = TokenText.from_backend(backend)
         self.chat_template = chat_template or self.info.chat_template or chat_template_module.fallback_template(
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
         self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
         self.step_cost = StepCost()  # what a wider speculative step costs on this model
         self.acceptance = Acceptance()  # what this model's drafts have done lately, per match length
-        # tokens as bytes and text as tokens, for drafts that mirror an edit (lookup_edits)
-        self.spelling = Spelling(backend.token_bytes,
-                                 lambda text: backend.tokenize(text, add_special=False, parse_special=False))
         self.drift = drift_cache.recall(backend)  # how far a wide step's rows stray from one-row steps'
 
     @property
@@ -184,7 +181,7 @@ class Engine:
         )
         if request.lookup.enabled:
             gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance, answer_start=len(tokens),
-                                         spelling=self.spelling)
+                                         spelling=self.token_text)
         if request.tools:  # prepare() built and compiled it: cache hits
             grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))

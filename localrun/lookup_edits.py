@@ -3,7 +3,10 @@ make them too (see `LearnedEdits`; the drafting itself is in speculative.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sampling import TokenText
 
 MAX_EDIT = 4  # tokens on either side of an edit the answer makes to what it copies (longer: a rewrite)
 MAX_EDITS = 32  # learned edits kept per answer
@@ -12,15 +15,7 @@ Edit = tuple[tuple[int, ...], tuple[int, ...]]  # (the tokens copied from, what 
 # How far after a dropped opening bracket its closer is looked for, in source tokens.
 MIRROR_REACH = 64
 _CLOSER = {ord("("): ord(")"), ord("["): ord("]"), ord("{"): ord("}")}
-
-
-class Spelling:
-    """What a draft needs of the vocabulary to mirror an edit: each token's bytes, and
-    text tokenized back (a backend's `token_bytes` and `tokenize`)."""
-
-    def __init__(self, token_bytes: Callable[[int], bytes], tokenize: Callable[[str], list[int]]) -> None:
-        self.token_bytes = token_bytes
-        self.tokenize = tokenize
+_CLOSERS = frozenset(_CLOSER.values())
 
 
 class LearnedEdits:
@@ -41,15 +36,15 @@ class LearnedEdits:
         edits.resync(h)  # 2 3 agrees again after it: 7 -> 8 is learned
         edits.copy(h, 0, 4)  -> ([1, 8, 2, 3], [(0, None), (1, ((7,), (8,))), (2, None), (3, None)])
 
-    With the vocabulary's `Spelling`, an edit that drops an opening bracket the source
-    had also drops the bracket that closed it there: SmolLM2 copies `append(("short",
-    raw))` as `append("short", raw)`, and without the mirror the draft that follows the
-    learned `(` fails at `))` (a 13-row step that kept 2 tokens, on the rename task of
-    scripts/bench_lookup.py). The mirror is an edit of that one source token, not of
-    every `))`.
+    With the vocabulary's spelling (a `TokenText`: tokens as bytes, text as tokens), an
+    edit that drops an opening bracket the source had also drops the bracket that closed
+    it there: SmolLM2 copies `append(("short", raw))` as `append("short", raw)`, and
+    without the mirror the draft that follows the learned `(` fails at `))` (a 13-row
+    step that kept 2 tokens, on the rename task of scripts/bench_lookup.py). The mirror
+    is an edit of that one source token, not of every `))`.
     """
 
-    def __init__(self, capacity: int = MAX_EDITS, spelling: Spelling | None = None) -> None:
+    def __init__(self, capacity: int = MAX_EDITS, spelling: TokenText | None = None) -> None:
         self.capacity = capacity  # 0: learn nothing
         self.spelling = spelling  # None: no bracket is mirrored
         self._by_first: dict[int, list[Edit]] = {}  # first source token -> edits, longest first
@@ -112,10 +107,10 @@ class LearnedEdits:
     def _dropped_bracket(self, old: tuple[int, ...], new: tuple[int, ...]) -> int | None:
         """Where in old's bytes the opening bracket sits that `new` leaves out, when
         leaving it out is all the edit does (None: it is not, or no spelling)."""
-        if self.spelling is None:
+        if self.spelling is None or self.spelling.tokenize is None:
             return None
-        was = b"".join(map(self.spelling.token_bytes, old))
-        now = b"".join(map(self.spelling.token_bytes, new))
+        was = b"".join(map(self.spelling.piece, old))
+        now = b"".join(map(self.spelling.piece, new))
         if len(was) != len(now) + 1:
             return None
         at = next((i for i in range(len(now)) if was[i] != now[i]), len(now))
@@ -128,7 +123,7 @@ class LearnedEdits:
         old, _ = edit
         depth, skip, opener = 0, self._drops[edit], None  # skip: bytes before the dropped bracket
         for i in range(s, min(end, s + MIRROR_REACH)):
-            piece = self.spelling.token_bytes(text[i])
+            piece = self.spelling.piece(text[i])
             for j, byte in enumerate(piece):
                 if skip:
                     skip -= 1
@@ -136,7 +131,7 @@ class LearnedEdits:
                     opener, depth = byte, 1
                 elif byte in _CLOSER:
                     depth += 1
-                elif byte in b")]}":
+                elif byte in _CLOSERS:
                     depth -= 1
                     if depth == 0:
                         if byte == _CLOSER[opener] and i >= s + len(old) and i not in self._mirrors:

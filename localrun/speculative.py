@@ -69,11 +69,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .lookup_edits import MAX_EDITS, LearnedEdits, Spelling
+from .lookup_edits import MAX_EDITS, LearnedEdits
 from .step_cost import StepCost
+
+if TYPE_CHECKING:
+    from .sampling import TokenText
 
 # Match-length bands (upper bounds, inclusive) and the acceptance each starts from before
 # any draft of this generation was judged: longer agreement with an earlier span makes
@@ -267,12 +271,12 @@ class DraftController:
     pays most given the model's step cost."""
 
     def __init__(self, cfg: LookupConfig, cost: StepCost | None = None, model: Acceptance | None = None,
-                 answer_start: int | None = None, spelling: Spelling | None = None) -> None:
+                 answer_start: int | None = None, spelling: TokenText | None = None) -> None:
         """`cost` and `model` are the model's (shared by its generations): the measured
         step cost, and the acceptance its drafts had lately. `answer_start`: where the
         answer begins in the history (the prompt's length); None: every match is taken
-        as a copy of given text. `spelling`: the vocabulary's, for edits that mirror a
-        dropped bracket (see LearnedEdits)."""
+        as a copy of given text. `spelling`: the vocabulary's tokens as bytes and text as
+        tokens, for edits that mirror a dropped bracket (see LearnedEdits)."""
         self.cfg = cfg
         self.answer_start = answer_start
         self.cost = cost if cost is not None else StepCost()

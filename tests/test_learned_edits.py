@@ -4,11 +4,13 @@ draft controller, and through the engine with a scripted model that renames."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from unittest.mock import patch
 
 from localrun.engine import Engine
-from localrun.sampling import SamplingParams
-from localrun.lookup_edits import LearnedEdits, Spelling
+from localrun.lookup_edits import LearnedEdits
+from localrun.sampling import SamplingParams, TokenText
 from localrun.speculative import BatchDrift, DraftController, LookupConfig, NgramIndex
 
 from fakes import EOS, ScriptedBackend
@@ -137,9 +139,10 @@ def scripted_run(prompt: list[int], answer: list[int], lookup, spelled: bool = T
     be = ScriptedBackend(script=model, n_ctx=512, n_batch=64)
     eng = Engine(be)
     eng.drift = BatchDrift.known(0.0)
-    if not spelled:
-        eng.spelling = None
-    events = list(eng.generate(prompt, sampling=SamplingParams(temperature=0), max_tokens=200, lookup=lookup))
+    # unspelled: no edit is taken for one that drops a bracket
+    unspelled = patch.object(LearnedEdits, "_dropped_bracket", return_value=None)
+    with unspelled if not spelled else contextlib.nullcontext():
+        events = list(eng.generate(prompt, sampling=SamplingParams(temperature=0), max_tokens=200, lookup=lookup))
     return [t for e in events for t in e.tokens], len(be.calls)
 
 
@@ -154,7 +157,7 @@ def test_an_engine_drafts_a_rename_and_writes_what_it_writes_without_lookup():
 
 
 # one token per byte, as the scripted backend spells them
-BYTES = Spelling(lambda t: bytes([t]), lambda text: list(text.encode()))
+BYTES = TokenText(lambda t: bytes([t]), tokenize=lambda text: list(text.encode()))
 # SmolLM2 on the rename task: a redundant pair of brackets dropped
 PAREN_SOURCE = list(b'        errors.append(("short", raw))\n        continue\n        entry = {"ts": float(parts[0])}\n')
 PAREN_ANSWER = list(b'        errors.append("short", raw)\n        continue\n        entry = {"ts": float(parts[0])}\n')

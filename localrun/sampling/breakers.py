@@ -201,6 +201,13 @@ class TokenText:
             lambda text: backend.tokenize(text, add_special=False, parse_special=False),
         )
 
+    def piece(self, token: int) -> bytes:
+        """One token's bytes, without reading the whole vocabulary."""
+        if self._pieces is not None:
+            return self._pieces[token]
+        p = self._piece[token] if not callable(self._piece) else self._piece(token)
+        return p.encode("utf-8") if isinstance(p, str) else bytes(p)
+
     def pieces(self, n_vocab: int | None = None) -> list[bytes]:
         with self._build:
             if self._pieces is None:
