@@ -354,6 +354,25 @@ def _f(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+# Student's t at 97.5% by degrees of freedom (the nearest listed at or below is taken)
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04, 60: 2.00, 120: 1.98}
+
+
+def paired_ratio(num: list, den: list) -> tuple[float, float, float] | None:
+    """The geometric mean of repeat-by-repeat speed ratios and its 95% interval (t on the
+    logs), or None under 2 pairs. A repeat runs every engine one after the other, so its
+    two runs saw the same load: the ratio of medians mixes runs minutes apart, and on this
+    project's shared CPU one task's speed wanders by +-8% from repeat to repeat (a chat's
+    LU/off ranged 0.76-1.21 over 11 repeats whose paired mean was 0.97)."""
+    logs = [math.log(a / b) for a, b in zip(num, den) if a and b]
+    if len(logs) < 2:
+        return None
+    mean = statistics.fmean(logs)
+    half = _T975[max(k for k in _T975 if k <= len(logs) - 1)] * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 # ratio column -> (numerator engine, denominator engine)
 RATIOS = {"LU/off": ("lr_lookup", "lr_plain"), "LU/simple": ("lr_lookup", "ls_simple"),
           "LU/mod": ("lr_lookup", "ls_mod"), "LU/lcpLU": ("lr_lookup", "lcpp_lookup"),
@@ -370,12 +389,15 @@ def task_rows(label, w, tasks):
         tps = {e: statistics.median([x["decode_tps"] for x in rs if x["decode_tps"]] or [0]) or None
                for e, rs in runs.items()}
         ratios = {k: tps[a] / tps[b] if tps.get(a) and tps.get(b) else None for k, (a, b) in RATIOS.items()}
+        paired = {k: paired_ratio([x["decode_tps"] for x in runs[a]], [x["decode_tps"] for x in runs[b]])
+                  for k, (a, b) in RATIOS.items() if a in runs and b in runs}
         drafts = {e: (sum(x["accepted"] for x in runs[e]) / len(runs[e]), sum(x["drafted"] for x in runs[e]) / len(runs[e]))
                   for e in DRAFTERS if e in runs}
         on = runs.get("lr_lookup")
         rows.append({
             "model": label, "task": n, "group": TASKS[n][0], "prompt_tokens": w["prompt_tokens"][n],
             "generated": len(next(iter(runs.values()))[0]["tokens"]), "decode_tps": tps, "ratios": ratios,
+            "paired": paired,
             "drafts_per_run": drafts,
             "lr_tokens_per_step": sum(x["generated"] for x in on) / max(1, sum(x["steps"] for x in on)) if on else None,
             "stable_across_repeats": w["stable_across_repeats"][n],
@@ -425,6 +447,16 @@ def print_tables(rows, args, engines):
             if sel:
                 s = summary[f"{m}/{g}"] = {k: _geo([r["ratios"][k] for r in sel]) for k in cols}
                 print(f"{m:<9}{'geo ' + g:<14}" + "".join(f"{_f(s[k]):>12}" for k in cols))
+    paired = [k for k in cols if any(r["paired"].get(k) for r in rows)]
+    if paired:
+        hdr = f"{'model':<9}{'task':<14}" + "".join(f"{k:>20}" for k in paired)
+        print(f"\npaired ratios: geometric mean of each repeat's ratio (the engines ran back to back), with "
+              f"its 95% interval\n{hdr}\n" + "-" * len(hdr))
+        for r in rows:
+            cells = [r["paired"].get(k) for k in paired]
+            task = r["task"] + (" (text)" if r["lookup_changed_text"] else "")
+            print(f"{r['model']:<9}{task:<14}"
+                  + "".join(f"{'-' if c is None else '%.2f (%.2f-%.2f)' % c:>20}" for c in cells))
     return summary
 
 

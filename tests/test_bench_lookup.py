@@ -1,0 +1,46 @@
+"""scripts/bench_lookup.py's statistics: the paired ratio of two engines' speeds and the
+table rows it goes into (the benchmark itself runs for minutes and is not run here)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+from bench_lookup import paired_ratio, task_rows  # noqa: E402
+
+
+def test_paired_ratio_is_the_geometric_mean_of_each_repeats_ratio_with_a_t_interval():
+    mean, low, high = paired_ratio([110.0, 100.0], [100.0, 110.0])  # 1.1x, then 1/1.1x
+    assert mean == pytest.approx(1.0)
+    # two pairs: one degree of freedom, t = 12.71; the logs' sd is ln(1.1) * sqrt(2)
+    half = 12.71 * math.log(1.1) * math.sqrt(2) / math.sqrt(2)
+    assert (low, high) == (pytest.approx(math.exp(-half)), pytest.approx(math.exp(half)))
+    steady = paired_ratio([50.0, 60.0, 70.0], [25.0, 30.0, 35.0])
+    assert steady == (pytest.approx(2.0), pytest.approx(2.0), pytest.approx(2.0))
+
+
+def test_paired_ratio_pairs_runs_by_repeat_and_skips_a_failed_run():
+    # the medians' ratio would say 1.0 (median 60 over median 60); run by run it is 1.2
+    assert paired_ratio([60.0, 72.0, 48.0], [50.0, 60.0, 40.0])[0] == pytest.approx(1.2)
+    assert paired_ratio([60.0, None, 48.0], [50.0, 60.0, 40.0])[0] == pytest.approx(1.2)
+    assert paired_ratio([60.0], [50.0]) is None  # one pair has no spread to judge
+
+
+def test_task_rows_carry_the_paired_ratio_of_every_engine_pair_that_ran():
+    def run(tps):
+        return {"decode_tps": tps, "accepted": 10, "drafted": 12, "tokens": [1] * 32, "generated": 32, "steps": 20}
+
+    w = {"runs": {"bicycle": {"lr_lookup": [run(60.0), run(66.0), run(57.0)],
+                              "lr_plain": [run(62.0), run(60.0), run(60.0)]}},
+         "prompt_tokens": {"bicycle": 36}, "stable_across_repeats": {"bicycle": True}, "diffs": {},
+         "text_lookup": {}}
+    (row,) = task_rows("smollm2", w, ["bicycle"])
+    mean, low, high = row["paired"]["LU/off"]
+    assert mean == pytest.approx((60 / 62 * 66 / 60 * 57 / 60) ** (1 / 3))
+    assert low < mean < high
+    assert "LU/simple" not in row["paired"]  # llama-server did not run
