@@ -377,6 +377,9 @@ def paired_ratio(num: list, den: list) -> tuple[float, float, float] | None:
 RATIOS = {"LU/off": ("lr_lookup", "lr_plain"), "LU/simple": ("lr_lookup", "ls_simple"),
           "LU/mod": ("lr_lookup", "ls_mod"), "LU/lcpLU": ("lr_lookup", "lcpp_lookup"),
           "LU/exact": ("lr_lookup", "lr_exact"), "LU/noedit": ("lr_lookup", "lr_noedit"),
+          # localrun's plain decode over llama-server's on the same kernels: on a copy that
+          # both engines keep whole the lookup ratio LU/simple is this times the plans' ratio
+          "off/none": ("lr_plain", "ls_plain"),
           "simple/none": ("ls_simple", "ls_plain"), "mod/none": ("ls_mod", "ls_plain"),
           "lcpLU/lcp": ("lcpp_lookup", "lcpp_plain")}
 DRAFTERS = ("lr_lookup", "lr_exact", "lr_noedit", "ls_simple", "ls_mod")  # engines that report drafted / accepted tokens

@@ -44,3 +44,17 @@ def test_task_rows_carry_the_paired_ratio_of_every_engine_pair_that_ran():
     assert mean == pytest.approx((60 / 62 * 66 / 60 * 57 / 60) ** (1 / 3))
     assert low < mean < high
     assert "LU/simple" not in row["paired"]  # llama-server did not run
+
+
+def test_task_rows_set_localruns_plain_decode_against_llama_servers():
+    def run(tps):
+        return {"decode_tps": tps, "accepted": 0, "drafted": 0, "tokens": [1] * 128, "generated": 128, "steps": 128}
+
+    w = {"runs": {"quote": {"lr_plain": [run(24.0), run(25.0), run(27.0)],
+                            "ls_plain": [run(27.0), run(25.0), run(30.0)]}},
+         "prompt_tokens": {"quote": 270}, "stable_across_repeats": {"quote": True}, "diffs": {},
+         "text_lookup": {}}
+    (row,) = task_rows("qwen", w, ["quote"])
+    assert row["ratios"]["off/none"] == pytest.approx(25.0 / 27.0)  # medians
+    assert row["paired"]["off/none"][0] == pytest.approx((24 / 27 * 25 / 25 * 27 / 30) ** (1 / 3))
+    assert row["ratios"]["LU/off"] is None and "LU/off" not in row["paired"]  # lookup did not run
