@@ -31,14 +31,17 @@ def test_paired_ratio_pairs_runs_by_repeat_and_skips_a_failed_run():
     assert paired_ratio([60.0], [50.0]) is None  # one pair has no spread to judge
 
 
-def test_task_rows_carry_the_paired_ratio_of_every_engine_pair_that_ran():
-    def run(tps):
-        return {"decode_tps": tps, "accepted": 10, "drafted": 12, "tokens": [1] * 32, "generated": 32, "steps": 20}
+def _one_task(task, prompt_tokens, tps_by_engine):
+    """bench_lookup's per-model work record for one task whose engines ran at these speeds
+    (each run 32 tokens, 10 of 12 drafted ones kept: task_rows reads only the speeds here)."""
+    run = {"accepted": 10, "drafted": 12, "tokens": [1] * 32, "generated": 32, "steps": 20}
+    return {"runs": {task: {e: [{**run, "decode_tps": t} for t in tps] for e, tps in tps_by_engine.items()}},
+            "prompt_tokens": {task: prompt_tokens}, "stable_across_repeats": {task: True}, "diffs": {},
+            "text_lookup": {}}
 
-    w = {"runs": {"bicycle": {"lr_lookup": [run(60.0), run(66.0), run(57.0)],
-                              "lr_plain": [run(62.0), run(60.0), run(60.0)]}},
-         "prompt_tokens": {"bicycle": 36}, "stable_across_repeats": {"bicycle": True}, "diffs": {},
-         "text_lookup": {}}
+
+def test_task_rows_carry_the_paired_ratio_of_every_engine_pair_that_ran():
+    w = _one_task("bicycle", 36, {"lr_lookup": [60.0, 66.0, 57.0], "lr_plain": [62.0, 60.0, 60.0]})
     (row,) = task_rows("smollm2", w, ["bicycle"])
     mean, low, high = row["paired"]["LU/off"]
     assert mean == pytest.approx((60 / 62 * 66 / 60 * 57 / 60) ** (1 / 3))
@@ -47,13 +50,7 @@ def test_task_rows_carry_the_paired_ratio_of_every_engine_pair_that_ran():
 
 
 def test_task_rows_set_localruns_plain_decode_against_llama_servers():
-    def run(tps):
-        return {"decode_tps": tps, "accepted": 0, "drafted": 0, "tokens": [1] * 128, "generated": 128, "steps": 128}
-
-    w = {"runs": {"quote": {"lr_plain": [run(24.0), run(25.0), run(27.0)],
-                            "ls_plain": [run(27.0), run(25.0), run(30.0)]}},
-         "prompt_tokens": {"quote": 270}, "stable_across_repeats": {"quote": True}, "diffs": {},
-         "text_lookup": {}}
+    w = _one_task("quote", 270, {"lr_plain": [24.0, 25.0, 27.0], "ls_plain": [27.0, 25.0, 30.0]})
     (row,) = task_rows("qwen", w, ["quote"])
     assert row["ratios"]["off/none"] == pytest.approx(25.0 / 27.0)  # medians
     assert row["paired"]["off/none"][0] == pytest.approx((24 / 27 * 25 / 25 * 27 / 30) ** (1 / 3))
