@@ -214,7 +214,7 @@ def make_engines(job, eng, stops, servers, log_dir):
     return {e: makers[e]() for e in job["engines"]}
 
 
-def _first_diff(a, b):
+def first_diff(a, b):
     """Index of the first differing token, or None when the two are identical."""
     if a == b:
         return None
@@ -327,7 +327,7 @@ def identity_runs(job, eng, engines, prompts, runs, stops):
     diffs = {}
     if "lr_lookup" in which and "lr_plain" in which:
         for n, toks in out.items():
-            i = _first_diff(toks["lr_plain"], toks["lr_lookup"])
+            i = first_diff(toks["lr_plain"], toks["lr_lookup"])
             if i is not None:
                 diffs[n] = {"index": i, **gap_at(prompts[n], toks["lr_plain"], toks["lr_lookup"], i)}
     return out, diffs
@@ -359,6 +359,11 @@ _T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
          12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04, 60: 2.00, 120: 1.98}
 
 
+def t975(df: int) -> float:
+    """Student's t for a two-sided 95% interval with `df` degrees of freedom (df >= 1)."""
+    return _T975[max(k for k in _T975 if k <= df)]
+
+
 def paired_ratio(num: list, den: list) -> tuple[float, float, float] | None:
     """The geometric mean of repeat-by-repeat speed ratios and its 95% interval (t on the
     logs), or None under 2 pairs. A repeat runs every engine one after the other, so its
@@ -369,7 +374,7 @@ def paired_ratio(num: list, den: list) -> tuple[float, float, float] | None:
     if len(logs) < 2:
         return None
     mean = statistics.fmean(logs)
-    half = _T975[max(k for k in _T975 if k <= len(logs) - 1)] * statistics.stdev(logs) / math.sqrt(len(logs))
+    half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
@@ -419,7 +424,7 @@ def identity_summary(w):
     for label, on, off in IDENTITY_PAIRS:
         sel = {n: t for n, t in w["identity"].items() if on in t and off in t}
         if sel:
-            d = {n: _first_diff(t[off], t[on]) for n, t in sel.items()}
+            d = {n: first_diff(t[off], t[on]) for n, t in sel.items()}
             out[label] = {"same": sum(i is None for i in d.values()), "of": len(sel),
                           "diffs": {n: i for n, i in d.items() if i is not None}}
     return out
@@ -481,6 +486,15 @@ def resolve_model(m):
         return m, MODELS_DIR / MODELS[m]
     path = Path(m) if Path(m).exists() else MODELS_DIR / m
     return next((k for k, f in MODELS.items() if f == path.name), path.stem[:8]), path
+
+
+def existing_model(m):
+    """resolve_model, or None after one error line where the file is not there."""
+    label, path = resolve_model(m)
+    if not path.exists():
+        print(f"error: no model file {path}: run scripts/fetch_test_models.py", file=sys.stderr)
+        return None
+    return label, path
 
 
 def main(argv=None):

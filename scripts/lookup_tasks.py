@@ -157,3 +157,11 @@ def prompt_texts(chat: bool) -> dict[str, str]:
     out = {n: t[1] if chat else t[2] for n, t in TASKS.items()}
     out.update({n: p[0] if chat else p[1] for n, p in IDENTITY_EXTRA.items()})
     return out
+
+
+def task_prompts(eng, names) -> dict[str, list[int]]:
+    """The named tasks' prompts as `eng` reads them: through the model's chat template where
+    it has one (an instruct model), as raw text otherwise (a base model)."""
+    chat = eng.info.chat_template is not None
+    return {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
+            for n, t in prompt_texts(chat).items() if n in names}

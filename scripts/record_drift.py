@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse, json, statistics, sys, time
 from pathlib import Path
 
-from bench_lookup import MODELS, resolve_model
+from bench_lookup import MODELS, existing_model
 from lookup_tasks import prompt_texts
 from replay_lookup import read_prompt, timed_step
 
@@ -69,10 +69,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True, help="where to write the recorded steps (JSON)")
     args = ap.parse_args(argv)
-    label, path = resolve_model(args.model)
-    if not path.exists():
-        print(f"error: no model file {path}: run scripts/fetch_test_models.py", file=sys.stderr)
+    found = existing_model(args.model)
+    if found is None:
         return 2
+    label, path = found
     if args.seconds <= 0 or args.window <= 0:
         print("error: --seconds and --window must be above 0", file=sys.stderr)
         return 2

@@ -29,8 +29,8 @@ from __future__ import annotations
 import argparse, statistics, sys
 from contextlib import contextmanager
 
-from bench_lookup import MODELS, WARM_TOKENS, resolve_model
-from lookup_tasks import TASKS, prompt_texts
+from bench_lookup import MODELS, WARM_TOKENS, existing_model
+from lookup_tasks import TASKS, task_prompts
 
 PRICED = (2, 4, 8, 12, 20, 30, 40, 49)  # widths whose price each decision prints
 
@@ -125,19 +125,17 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.max_tokens < 1:
         print("error: --rounds and --max-tokens must be at least 1", file=sys.stderr)
         return 2
-    label, path = resolve_model(args.model)
-    if not path.exists():
-        print(f"error: no model file {path}: run scripts/fetch_test_models.py", file=sys.stderr)
+    found = existing_model(args.model)
+    if found is None:
         return 2
+    label, path = found
 
     from localrun.engine import Engine
     from localrun.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     with Engine.open(path, n_ctx=4096, threads=args.threads) as eng:
-        chat = eng.info.chat_template is not None
-        prompts = {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
-                   for n, t in prompt_texts(chat).items() if n in TASKS}
+        prompts = task_prompts(eng, TASKS)
 
         def answer(name: str, lookup: bool, max_tokens: int = args.max_tokens):
             eng.backend.kv_clear(0)  # every run prefills in full, as in bench_lookup.py
