@@ -489,11 +489,12 @@ def resolve_model(m):
 
 
 def existing_model(m):
-    """resolve_model, or None after one error line where the file is not there."""
+    """resolve_model for a script's --model: where the file is not there, one error line
+    and exit status 2."""
     label, path = resolve_model(m)
     if not path.exists():
         print(f"error: no model file {path}: run scripts/fetch_test_models.py", file=sys.stderr)
-        return None
+        raise SystemExit(2)
     return label, path
 
 

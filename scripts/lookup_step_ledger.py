@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from bench_lookup import MODELS, WARM_TOKENS, existing_model, first_diff, paired_ratio, t975
-from lookup_tasks import TASKS, task_prompts
+from lookup_tasks import TASKS, greedy_answer, task_engine
 
 KINDS = ("wide", "after", "plain")
 
@@ -172,23 +172,14 @@ def main(argv=None) -> int:
     if args.pairs < 2 or args.max_tokens < 2 or args.after < 0:
         print("error: --pairs and --max-tokens must be at least 2, --after at least 0", file=sys.stderr)
         return 2
-    found = existing_model(args.model)
-    if found is None:
-        return 2
-    label, path = found
+    label, path = existing_model(args.model)
 
-    from localrun.engine import Engine
-    from localrun.sampling import SamplingParams
-
-    greedy = SamplingParams(temperature=0.0)
-    with Engine.open(path, n_ctx=4096, threads=args.threads) as eng:
-        prompts = task_prompts(eng, tasks)
+    with task_engine(path, args.threads, tasks) as (eng, prompts):
 
         def answer(name: str, lookup: bool, max_tokens: int = args.max_tokens):
             steps: list[Step] = []
-            eng.backend.kv_clear(0)  # every answer prefills in full, as in bench_lookup.py
             with recorded(eng.backend, steps):
-                res = eng.complete(prompts[name], sampling=greedy, max_tokens=max_tokens, lookup=lookup)
+                res = greedy_answer(eng, prompts[name], lookup, max_tokens)
             return res, steps
 
         answer(tasks[0], True, WARM_TOKENS)  # weights paged in, buffers sized for wide steps

@@ -7,6 +7,8 @@ an instruct model gets its chat template applied to the message, a base model (n
 template) gets the raw prompt, which it continues by copying.
 """
 
+from contextlib import contextmanager
+
 CODE = '''def summarize_requests(lines, window_s=60, slow_ms=500):
     """Aggregate access-log lines into per-endpoint statistics."""
     stats = {}
@@ -165,3 +167,22 @@ def task_prompts(eng, names) -> dict[str, list[int]]:
     chat = eng.info.chat_template is not None
     return {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
             for n, t in prompt_texts(chat).items() if n in names}
+
+
+@contextmanager
+def task_engine(path, threads: int, names):
+    """An engine on the model at `path` (4096 tokens of context, `threads`) and the named
+    tasks' prompts for it."""
+    from localrun.engine import Engine
+
+    with Engine.open(path, n_ctx=4096, threads=threads) as eng:
+        yield eng, task_prompts(eng, names)
+
+
+def greedy_answer(eng, prompt: list[int], lookup, max_tokens: int):
+    """One greedy answer from an empty KV cache: every run prefills in full, as in
+    bench_lookup.py, whatever the run before it left."""
+    from localrun.sampling import SamplingParams
+
+    eng.backend.kv_clear(0)
+    return eng.complete(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens, lookup=lookup)

@@ -69,10 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True, help="where to write the recorded steps (JSON)")
     args = ap.parse_args(argv)
-    found = existing_model(args.model)
-    if found is None:
-        return 2
-    label, path = found
+    label, path = existing_model(args.model)
     if args.seconds <= 0 or args.window <= 0:
         print("error: --seconds and --window must be above 0", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ import argparse, statistics, sys
 from contextlib import contextmanager
 
 from bench_lookup import MODELS, WARM_TOKENS, existing_model
-from lookup_tasks import TASKS, task_prompts
+from lookup_tasks import TASKS, greedy_answer, task_engine
 
 PRICED = (2, 4, 8, 12, 20, 30, 40, 49)  # widths whose price each decision prints
 
@@ -125,21 +125,12 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.max_tokens < 1:
         print("error: --rounds and --max-tokens must be at least 1", file=sys.stderr)
         return 2
-    found = existing_model(args.model)
-    if found is None:
-        return 2
-    label, path = found
+    label, path = existing_model(args.model)
 
-    from localrun.engine import Engine
-    from localrun.sampling import SamplingParams
-
-    greedy = SamplingParams(temperature=0.0)
-    with Engine.open(path, n_ctx=4096, threads=args.threads) as eng:
-        prompts = task_prompts(eng, TASKS)
+    with task_engine(path, args.threads, TASKS) as (eng, prompts):
 
         def answer(name: str, lookup: bool, max_tokens: int = args.max_tokens):
-            eng.backend.kv_clear(0)  # every run prefills in full, as in bench_lookup.py
-            return eng.complete(prompts[name], sampling=greedy, max_tokens=max_tokens, lookup=lookup)
+            return greedy_answer(eng, prompts[name], lookup, max_tokens)
 
         tracer = Tracer(eng.detokenize if args.text else None)
         print(f"{label}: tasks in bench_lookup.py's order, greedy, {args.max_tokens} tokens, threads {args.threads}")
