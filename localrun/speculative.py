@@ -17,8 +17,9 @@ drafts copy with it made, and a match goes on behind it (a long match, not a fre
 
 **How much to draft.** A long match is evidence that the answer is copying a span (a
 code edit, a quote), so `DraftController` keeps one acceptance estimate per band of
-match length, and `StepCost` (step_cost.py) follows what a step costs per number of
-rows, apart from the machine's speed of the moment (on a CPU a wider step is sublinear:
+match length (one for copies of given text, one for phrases of the answer's own), and
+`StepCost` (step_cost.py) follows what a step costs per number of rows, apart from the
+machine's speed of the moment (on a CPU a wider step is sublinear:
 weights are read once per step, so 17 rows cost ~7 single steps on Gemma-3, not 17).
 The draft length is the one that maximises expected tokens per unit of step time; when
 no length pays by a margin, the step is a plain one. These estimates change how many
@@ -85,6 +86,10 @@ if TYPE_CHECKING:
 # drafts.
 BANDS = (2, 4, 8, 16, 1 << 30)
 PRIOR_RATE = (0.3, 0.5, 0.65, 0.85, 0.95)
+# A phrase of the answer's own (_slot; see the note under LOOP_REPEATS) starts lower where
+# its match is 9-16 tokens long: a copy of given text that long is nearly always followed
+# on, a repeat of the answer's own sentence often is not.
+OWN_PRIOR_RATE = (0.3, 0.5, 0.65, 0.7, 0.95)
 PRIOR_WEIGHT = 3.0  # the prior counts as this many judged tokens
 DECAY = 0.9  # per draft judged in a band: older evidence fades
 # The draft length taken is the shortest whose expected gain is within this fraction of
@@ -124,6 +129,29 @@ LOOP_REPEATS = 2
 # code edits before it), while the grounded tasks' geometric mean over ngram-simple moved
 # by -1.0% to +0.6%. Applied to every match, copies of the prompt included, it cost
 # those 4-7%.
+# Such a phrase is also priced by an acceptance of the answer's own phrases alone, not by
+# what copies of given text (and of a proven loop) did: how often a model goes on
+# repeating itself is the model's own habit, not what its code edits copied. Counted over
+# every draft of 3 rounds of bench_lookup.py's tasks and the identity prompts, phrase
+# repeats (match shorter than two of its periods) in chats kept 28 of 46 drafted tokens on
+# SmolLM2-135M (which loops on a sentence and leaves it mid-lap), 264 of 355 on Qwen2.5 and
+# 1279 of 1403 on Gemma-3, while the grounded tasks' copies of their prompts kept
+# 0.87-0.91: one rate per band let SmolLM2 draft the next lap of its 8-token loop at the
+# rate its code edits had earned (0.97), where its 33-token answer ended instead. So its
+# slots start lower in the 9-16 band (OWN_PRIOR_RATE), and earlier answers' repeats may
+# lower that start but never lift it. Its verdicts still count for copies of the same
+# length, as every draft's did before: a 2-4-token match is chance wherever it was found,
+# and priced by copies alone, Qwen2.5's trip drafted 6-18 tokens behind a 2-token match of
+# its prompt at the code edits' 0.85-0.89 (0.948x lookup off by
+# scripts/lookup_step_ledger.py; 0.983x with the sharing, 0.988x before own slots).
+# Replayed on one measured table (scripts/replay_lookup.py --load, the last of 2 to 7
+# rounds: 18 chat answers a model), SmolLM2's chats under 0.98x lookup off went from 2 of
+# 18 (lowest 0.96) to none (lowest 0.99), and to 3 of 18 (0.92) with a copy's starts. The
+# chats' geometric means moved 0.994 -> 0.998x, 1.918 -> 1.872x, 1.176 -> 1.152x
+# (SmolLM2, Gemma-3, Qwen2.5), the grounded tasks' 1.630 -> 1.638x, 2.216 -> 2.236x,
+# 2.083 -> 2.129x. Letting the model's record lift the start as for copies replayed as
+# well (1.004x, 1.931x, 1.183x), but on the engine it drafted SmolLM2's bicycle again:
+# 0.993x (0.974-1.013) against 0.997x (0.995-0.998) by the step ledger, 24 pairs.
 
 
 def _band(match: int) -> int:
@@ -131,6 +159,12 @@ def _band(match: int) -> int:
         if match <= top:
             return i
     return len(BANDS) - 1
+
+
+def _slot(match: int, own: bool) -> int:
+    """Where a draft's acceptance is kept: its match-length band, the answer's own
+    phrases apart from copies (see the note under LOOP_REPEATS)."""
+    return _band(match) + (len(BANDS) if own else 0)
 
 
 class NgramIndex:
@@ -235,35 +269,43 @@ class Acceptance:
     same short matches are chance), and failed wide steps are what lookup must not pay
     for. Measured (scripts/bench_lookup.py's seven tasks in order, one process, 3-4 runs):
     never lifting the start cost Gemma-3's code edits 15-20%; always lifting it made
-    SmolLM2's chats after the edits 0.83-0.90x lookup off."""
+    SmolLM2's chats after the edits 0.83-0.90x lookup off. A phrase of the answer's own
+    has slots of its own (_slot), whose start the model's record never lifts; its verdicts
+    count for copies of its length too."""
 
     def __init__(self, prior: "Acceptance | None" = None) -> None:
         self.prior = prior
-        self._hits = [0.0] * len(BANDS)
-        self._trials = [0.0] * len(BANDS)
+        self._hits = [0.0] * 2 * len(BANDS)  # per _slot()
+        self._trials = [0.0] * 2 * len(BANDS)
         self._verdicts = [0, 0]  # drafts judged in any band, and how many of them failed at once
 
-    def rate(self, band: int) -> float:
-        start = PRIOR_RATE[band]
+    def rate(self, slot: int) -> float:
+        start = (PRIOR_RATE + OWN_PRIOR_RATE)[slot]
         if self.prior is not None:
-            model = self.prior.rate(band)
-            start = model if self._copying() else min(start, model)
-        return (self._hits[band] + start * PRIOR_WEIGHT) / (self._trials[band] + PRIOR_WEIGHT)
+            model = self.prior.rate(slot)
+            # what earlier answers' own phrases did never lifts this one's start (see the
+            # note under LOOP_REPEATS): that a poem went round its stanza says little of
+            # whether this chat's sentence will be said once more
+            lift = slot < len(BANDS) and self._copying()
+            start = model if lift else min(start, model)
+        return (self._hits[slot] + start * PRIOR_WEIGHT) / (self._trials[slot] + PRIOR_WEIGHT)
 
     def _copying(self) -> bool:
         """Whether this answer's drafts mostly passed so far (or none was judged yet)."""
         judged, failed = self._verdicts
         return judged < 2 or failed * 2 < judged
 
-    def judged(self, band: int, drafted: int, accepted: int) -> None:
+    def judged(self, slot: int, drafted: int, accepted: int) -> None:
         """Tokens after the first rejection were never judged: the trials are the accepted
         ones plus that one rejection."""
-        self._hits[band] = DECAY * self._hits[band] + accepted
-        self._trials[band] = DECAY * self._trials[band] + accepted + (1 if accepted < drafted else 0)
+        # an own phrase's verdict counts for copies of its length too (see LOOP_REPEATS' note)
+        for s in (slot, slot - len(BANDS)) if slot >= len(BANDS) else (slot,):
+            self._hits[s] = DECAY * self._hits[s] + accepted
+            self._trials[s] = DECAY * self._trials[s] + accepted + (1 if accepted < drafted else 0)
         self._verdicts[0] += 1
         self._verdicts[1] += accepted == 0
         if self.prior is not None:
-            self.prior.judged(band, drafted, accepted)
+            self.prior.judged(slot, drafted, accepted)
 
 
 class DraftController:
@@ -283,14 +325,15 @@ class DraftController:
         self.acceptance = Acceptance(prior=model)
         self.index = NgramIndex()
         self.edits = LearnedEdits(MAX_EDITS if cfg.learn_edits else 0, spelling)
-        self.band = -1  # the band of the draft in flight
+        self.slot = -1  # the acceptance slot (_slot) of the draft in flight
         self.match = 0  # the match length the last draft() decided on
+        self.priced = -1  # the slot the last draft() priced its draft by (-1: no match)
         self._flight: tuple[int, list] | None = None  # the draft in flight: history length, origins
         self._after: tuple[int, int] | None = None  # (answer, source) index of the token after a kept draft
-        self._shadow: tuple[int, int, list[int]] | None = None  # band, history length, tokens
+        self._shadow: tuple[int, int, list[int]] | None = None  # slot, history length, tokens
 
-    def rate(self, band: int) -> float:
-        return self.acceptance.rate(band)
+    def rate(self, slot: int) -> float:
+        return self.acceptance.rate(slot)
 
     def row_cost(self, rows: int) -> float:
         if not self.cfg.measure_cost:
@@ -299,7 +342,7 @@ class DraftController:
 
     def draft(self, history: list[int], room: int) -> list[int]:
         """The tokens to verify after the pending one ([] for a plain step)."""
-        self.match = 0
+        self.match, self.priced = 0, -1
         if not self.cfg.enabled or room <= 0:
             return []
         self._judge_shadow(history)
@@ -324,15 +367,15 @@ class DraftController:
         candidate, origins = self.edits.copy(history, end + 1, min(room, self.cfg.max_draft), loop=loop)
         if not candidate:
             return []
-        band = _band(match)
         repeat = self.answer_start is not None and end >= self.answer_start and not loop
-        k = self.best_length(self.rate(band), len(candidate), repeat_of=match if repeat else None)
+        slot = self.priced = _slot(match, repeat)
+        k = self.best_length(self.rate(slot), len(candidate), repeat_of=match if repeat else None)
         if k == 0:
             if self._shadow is None:
-                self._shadow = (band, len(history), candidate[:SHADOW_TOKENS])
+                self._shadow = (slot, len(history), candidate[:SHADOW_TOKENS])
             return []
         self._shadow = None  # a real verdict comes now, over the same tokens
-        self.band = band
+        self.slot = slot
         self._flight = (len(history), origins[:k])
         return candidate[:k]
 
@@ -340,13 +383,13 @@ class DraftController:
         """Judge the shadow draft once the tokens produced since it decide it."""
         if self._shadow is None:
             return
-        band, start, tokens = self._shadow
+        slot, start, tokens = self._shadow
         produced = history[start : start + len(tokens)]
         agreed = 0
         while agreed < len(produced) and produced[agreed] == tokens[agreed]:
             agreed += 1
         if agreed == len(tokens) or agreed < len(produced):
-            self.acceptance.judged(band, len(tokens), agreed)
+            self.acceptance.judged(slot, len(tokens), agreed)
             self._shadow = None
 
     def best_length(self, rate: float, available: int, repeat_of: int | None = None) -> int:
@@ -375,10 +418,10 @@ class DraftController:
 
     def record(self, drafted: int, accepted: int) -> None:
         """The verdict on the draft in flight."""
-        if not drafted or self.band < 0:
+        if not drafted or self.slot < 0:
             return
-        self.acceptance.judged(self.band, drafted, accepted)
-        self.band = -1
+        self.acceptance.judged(self.slot, drafted, accepted)
+        self.slot = -1
         if self._flight is not None:
             start, origins = self._flight
             if accepted < drafted:

@@ -51,12 +51,14 @@ class Tracer:
             self._quiet = []
 
     def decision(self, ctrl, history: list[int], draft: list[int], match: int) -> None:
-        from localrun.speculative import _band
+        from localrun.speculative import BANDS
 
-        band = _band(match)
+        slot = ctrl.priced  # its band, and whether the match is a phrase of the answer's own
+        band = f"{slot % len(BANDS)}{'own' if slot >= len(BANDS) else ''}" if slot >= 0 else "-"
+        rate = f"{ctrl.rate(slot):.3f}" if slot >= 0 else "-"  # -: nothing followed the match
         prices = " ".join(f"{w}:{ctrl.row_cost(w):.1f}" for w in PRICED)
         self.flush_quiet()
-        self.lines.append(f"  pos {len(history):4}  match {match:2}  band {band}  rate {ctrl.rate(band):.3f}  "
+        self.lines.append(f"  pos {len(history):4}  match {match:2}  band {band:4}  rate {rate:5}  "
                           f"draft {len(draft):2}  | price {prices}")
         if self.detokenize is not None:
             self.lines.append(f"      tail {self.detokenize(history[-12:])!r}  draft {self.detokenize(draft)!r}")

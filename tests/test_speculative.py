@@ -398,7 +398,7 @@ def test_a_new_generation_starts_from_the_models_record_until_its_own_drafts_fai
     assert len(after_edits.draft(h, 48)) > fresh_start  # a session of edits goes on copying...
     other = speculative._band(30)
     for _ in range(2):  # ...until this answer's drafts fail (in any band): a chat, then
-        after_edits.band = other
+        after_edits.slot = other
         after_edits.record(4, 0)
     assert after_edits.rate(band) <= Acceptance().rate(band)  # the edits' record no longer lifts it
 
@@ -427,6 +427,31 @@ def test_a_phrase_the_answer_repeats_drafts_shorter_than_a_copy_of_the_prompt():
     h = [1, 2, 3] + loop * 3 + loop[:2]
     cheap = LookupConfig(measure_cost=False, cost_per_draft=0.01)  # where every drafted token pays
     assert len(DraftController(cheap, answer_start=1).draft(h, 10)) == 10  # a loop goes on as a copy does
+
+
+def test_the_answers_own_phrases_keep_an_acceptance_apart_from_copies_of_the_prompt():
+    """A model whose code edits copied well may still leave its own loops mid-lap (SmolLM2
+    on an open chat): what copies did must not price the answer's own phrases."""
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.25)
+    prompt, sentence = [1, 2, 3], list(range(100, 108))
+    lap = prompt + sentence * 2 + sentence[:4]  # 12 tokens into saying an 8-token sentence again
+
+    def drafted(model: Acceptance, answer_start: int) -> list[int]:
+        return DraftController(cfg, model=model, answer_start=answer_start).draft(lap, 48)
+
+    own = drafted(Acceptance(), len(prompt))
+    assert own == (sentence[4:] + sentence)[:len(own)] and own  # the answer's own phrase, repeated
+    copy = drafted(Acceptance(), len(lap) - 4)  # the same tokens, as a copy of the prompt
+    edits, loops_kept, loops_left = Acceptance(), Acceptance(), Acceptance()
+    for _ in range(20):
+        edits.judged(speculative._slot(12, own=False), 20, 20)  # code edits: every copy kept
+        loops_kept.judged(speculative._slot(12, own=True), 20, 20)  # a poem that went round its stanza
+        loops_left.judged(speculative._slot(12, own=True), 4, 0)  # chats: every repeat left at once
+    assert drafted(edits, len(prompt)) == own  # the edits' record does not lift a repeat...
+    assert len(drafted(edits, len(lap) - 4)) > len(copy)  # ...only copies
+    assert drafted(loops_kept, len(prompt)) == own  # nor do earlier answers' repeats
+    assert drafted(loops_left, len(prompt)) == []  # repeats that failed lower it (and copies are
+    assert len(drafted(loops_left, len(lap) - 4)) < len(copy)  # priced by every draft of their length)
 
 
 def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_before():
