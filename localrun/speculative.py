@@ -90,6 +90,7 @@ PRIOR_RATE = (0.3, 0.5, 0.65, 0.85, 0.95)
 # its match is 9-16 tokens long: a copy of given text that long is nearly always followed
 # on, a repeat of the answer's own sentence often is not.
 OWN_PRIOR_RATE = (0.3, 0.5, 0.65, 0.7, 0.95)
+_STARTS = PRIOR_RATE + OWN_PRIOR_RATE  # by _slot()
 PRIOR_WEIGHT = 3.0  # the prior counts as this many judged tokens
 DECAY = 0.9  # per draft judged in a band: older evidence fades
 # The draft length taken is the shortest whose expected gain is within this fraction of
@@ -165,6 +166,11 @@ def _slot(match: int, own: bool) -> int:
     """Where a draft's acceptance is kept: its match-length band, the answer's own
     phrases apart from copies (see the note under LOOP_REPEATS)."""
     return _band(match) + (len(BANDS) if own else 0)
+
+
+def slot_label(slot: int) -> str:
+    """A _slot() as its band, "own" after it for a phrase of the answer's own."""
+    return f"{slot % len(BANDS)}{'own' if slot >= len(BANDS) else ''}"
 
 
 class NgramIndex:
@@ -280,7 +286,7 @@ class Acceptance:
         self._verdicts = [0, 0]  # drafts judged in any band, and how many of them failed at once
 
     def rate(self, slot: int) -> float:
-        start = (PRIOR_RATE + OWN_PRIOR_RATE)[slot]
+        start = _STARTS[slot]
         if self.prior is not None:
             model = self.prior.rate(slot)
             # what earlier answers' own phrases did never lifts this one's start (see the

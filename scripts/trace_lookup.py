@@ -51,10 +51,10 @@ class Tracer:
             self._quiet = []
 
     def decision(self, ctrl, history: list[int], draft: list[int], match: int) -> None:
-        from localrun.speculative import BANDS
+        from localrun.speculative import slot_label
 
         slot = ctrl.priced  # its band, and whether the match is a phrase of the answer's own
-        band = f"{slot % len(BANDS)}{'own' if slot >= len(BANDS) else ''}" if slot >= 0 else "-"
+        band = slot_label(slot) if slot >= 0 else "-"
         rate = f"{ctrl.rate(slot):.3f}" if slot >= 0 else "-"  # -: nothing followed the match
         prices = " ".join(f"{w}:{ctrl.row_cost(w):.1f}" for w in PRICED)
         self.flush_quiet()
