@@ -311,6 +311,38 @@ def test_step_cost_follows_a_long_drifting_session_without_losing_its_footing():
         assert 0.8 * (1 + 0.4 * (rows - 1)) <= cost.ratio(rows, 0.25) <= 1.05 * (1 + 0.4 * (rows - 1))
 
 
+class _DenseStepCost(StepCost):
+    """The filter with every one-row step applied to the whole state at once (the
+    reference the held one-row steps must agree with)."""
+
+    def _one_row(self, ms: float) -> None:
+        self._update(0, ms)
+
+
+def test_one_row_steps_queued_and_held_out_of_the_shape_update_it_as_the_whole_filter_would():
+    rng = np.random.default_rng(7)
+    held, dense = StepCost(), _DenseStepCost()
+    assert held.FOLD_AT_MOST < 2000  # the run below folds the held steps in at their limit too
+    speed = 10.0
+    for i in range(4000):  # long one-row runs (a lookup-off answer), wide steps, fades, load spikes
+        speed = min(max(speed * float(np.exp(rng.normal(0, 0.01))), 3.0), 40.0)
+        rows = 1 if (i // 500) % 2 or rng.random() < 0.7 else int(rng.choice([2, 5, 17, 33]))
+        ms = speed * (1 + 0.4 * (rows - 1)) * float(np.exp(rng.normal(0, 0.08))) * (5.0 if rng.random() < 0.01 else 1.0)
+        drafting = (i // 1300) % 2 == 0
+        held.observe(rows, ms, drafting)
+        dense.observe(rows, ms, drafting)
+        if i % 97 == 0:  # a price read while one-row steps are held
+            assert held.ratio(17, 0.25) == pytest.approx(dense.ratio(17, 0.25), rel=1e-9)
+    assert held._queued  # the last one-row steps are queued, not yet taken
+    assert held.one_row_ms() == pytest.approx(dense.one_row_ms(), rel=1e-12)
+    assert held._folding > 0 and not held._queued  # taken, and held out of the shape's update
+    for rows in range(2, StepCost.MAX_ROWS + 1):
+        assert held.ratio(rows, 0.25) == pytest.approx(dense.ratio(rows, 0.25), rel=1e-9)
+    held._settle()
+    np.testing.assert_allclose(held._cov, dense._cov, rtol=1e-8, atol=1e-12)
+    np.testing.assert_allclose(held._mean, dense._mean, rtol=1e-9, atol=1e-12)
+
+
 def test_controller_drafts_only_what_pays_at_the_measured_cost():
     cost = StepCost()
     for _ in range(10):
