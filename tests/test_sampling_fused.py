@@ -98,6 +98,22 @@ def test_tied_logits_keep_the_lower_ids_first():
     assert probs == pytest.approx([1 / 3] * 3)
 
 
+def test_rows_whose_coarse_bound_fails_still_give_the_exact_top_k():
+    """A row of two values (ties by the thousand at the top: the bound from 64 blocks lets
+    most columns through) and a grammar row whose allowed ids sit in a few blocks (that
+    bound is -inf): the top k by logit, then id, all the same."""
+    rng = np.random.default_rng(11)
+    quantized = (rng.random(262_144) < 0.02).astype(np.float32)
+    masked = np.full(262_144, -np.inf, np.float32)
+    masked[rng.choice(1000, 60, replace=False)] = rng.standard_normal(60)
+    spread = rng.standard_normal(262_144).astype(np.float32)  # the common case, for contrast
+    chain = FusedChain.plan(SamplingParams(top_k=40, top_p=1.0, min_p=0.0))
+    for x in (quantized, masked, spread):
+        want = np.lexsort((np.arange(x.size), -x))[:40].tolist()
+        ids, values = chain.top(x)
+        assert ids == want and values == x[want].tolist()
+
+
 def test_a_grammar_masked_row_falls_back_to_the_staged_chain():
     x = np.full(262_144, -np.inf, np.float32)
     x[[5, 70_000, 200_000]] = [1.0, 3.0, 2.0]  # fewer allowed ids than k

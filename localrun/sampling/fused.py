@@ -11,9 +11,9 @@ distinct calls, not the work. So this path:
 * penalises the repeated tokens inside the row itself, through a memoryview, and puts
   the old values back before it returns (the caller's row is unchanged afterwards; a
   read-only row is copied first): no patch bookkeeping, no np.unique;
-* finds the top k with one pass (column maxima of a (rows, 4096) view; every top-k
-  logit sits in one of the k columns with the largest maxima) and a gather of a
-  (rows, k) block;
+* finds the top k with one pass (column maxima of a (rows, 4096) view), a bound on
+  the k-th largest from 64 maxima of those, and a gather of the few columns that reach
+  it;
 * runs top-p, min-p, temperature and the draw in Python floats over the k sorted
   candidates: the cuts and roundings are the staged functions' (`stages.py`), the
   exponentials run in float64 instead of float32, so a probability may differ in its
@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .params import _ARGMAX_CHANGING, SamplingParams
-from .stages import _Cands
+from .stages import _Cands, _head_columns
 
 # columns of the top-k view: 4096 maxima are cheap to partition, and a 262k row is 64
 # rows of them (49k: 12). Below MIN_ROW the staged chain is as fast.
@@ -192,28 +192,21 @@ class FusedChain:
 
     def top(self, row: np.ndarray) -> tuple[list[int], list[float]] | None:
         """The k largest logits, sorted descending (ties: the lower id first), and their
-        ids. View the row as (rows, GROUPS): every logit of the top k sits in one of the
-        k columns with the largest maxima (a column outside them has a maximum, hence
-        every logit, at or below k distinct logits of the chosen ones). So one pass for
-        the maxima, then only a (rows, k) block is read again."""
+        ids. View the row as (rows, GROUPS): one pass for the column maxima, then only
+        the columns whose maximum can reach the top k are read again (_head_columns)."""
         k, n = self.k, row.shape[0]
         width = n // GROUPS
         body = row[: width * GROUPS].reshape(width, GROUPS)
-        maxima = body.max(axis=0)
-        cols = np.argpartition(maxima, GROUPS - k)[GROUPS - k :]
-        bound = maxima[cols].min()  # k distinct logits reach it: no lower one is in the top k
-        if not bound > -np.inf:  # fewer than k finite logits in sight (grammar-masked)
+        bound, cols = _head_columns(body.max(axis=0), k)
+        if not bound > -np.inf:  # fewer than k finite logits in sight (grammar-masked), or NaN
             return None
-        block = body[:, cols].ravel()  # row-major: position p is (p // k, cols[p % k])
-        best = np.argpartition(block, block.size - k)[block.size - k :]
-        col_ids = cols.tolist()
-        pairs = [(-v, (p // k) * GROUPS + col_ids[p % k]) for p, v in zip(best.tolist(), block[best].tolist())]
+        at_row, at_col = np.nonzero(body.take(cols, axis=1) >= bound)
+        ids = at_row * GROUPS + cols[at_col]  # ascending, so a stable sort puts the lower id first
         if n > width * GROUPS:  # the ids past the last whole row of columns
-            past = width * GROUPS + np.flatnonzero(row[width * GROUPS :] >= bound)
-            pairs += zip((-row[past]).tolist(), past.tolist())
-        pairs.sort()  # by logit descending, then id
-        del pairs[k:]
-        return [t for _, t in pairs], [-v for v, _ in pairs]
+            ids = np.concatenate([ids, width * GROUPS + np.flatnonzero(row[width * GROUPS :] >= bound)])
+        values = row[ids]
+        best = np.argsort(-values, kind="stable")[:k]
+        return ids[best].tolist(), values[best].tolist()
 
     def truncate(self, ids: list[int], x: list[float]) -> tuple[list[int], list[float]]:
         """Top-p, min-p and temperature on sorted candidates (Python floats holding
