@@ -60,7 +60,7 @@ def llama_bench_tg(model: Path, threads: int, n_gen: int, depth: int, flash_attn
 def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
     """Every setting once per round, rounds repeated, medians reported: on a 2-core
     machine speed drifts by ±10% over a minute, and back-to-back blocks of runs would
-    read that drift as a difference between settings. llama-bench decodes at the same
+    read that drift as a difference between settings. The order rotates by round. llama-bench decodes at the same
     context depth as our runs (after the prompt)."""
     from localrun.engine import Engine
     from localrun.grammar import Grammar
@@ -80,12 +80,15 @@ def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
         depth = len(prompt if isinstance(prompt, list) else eng.tokenize(prompt))
         for kw in settings.values():  # warm-up; builds the grammar's vocabulary table once
             eng.complete(prompt, max_tokens=8, lookup=False, **kw)
-        for _ in range(repeat):
+        names = list(settings)
+        for r in range(repeat):
             native = llama_bench_tg(path, threads, n_gen, depth, eng.backend.flash_attn)
             if native is not None:
                 runs["llama_bench_tg"].append(native)
-            for name, kw in settings.items():
-                runs[name].append(eng.complete(prompt, max_tokens=n_gen, lookup=False, **kw).timings.decode_tps)
+            # each round starts at a different setting: the one right after llama-bench
+            # (both cores busy for seconds) would otherwise always be the same
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(eng.complete(prompt, max_tokens=n_gen, lookup=False, **settings[name]).timings.decode_tps)
     row = {"model": path.name, "threads": threads, "n_gen": n_gen, "depth": depth}
     row.update({name: statistics.median(r) if r else None for name, r in runs.items()})
     return row
