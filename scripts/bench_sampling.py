@@ -5,8 +5,9 @@ For each model, in one run and one process: decode tok/s of localrun with greedy
 the default chain (top-k 40, top-p 0.95, min-p 0.05, temp 0.8, repeat penalty 1.1),
 and with that chain under a JSON schema vs without; plus native llama-bench tg for the
 same model, threads and context depth when it is built (scripts/build_llama_bench.sh).
-Prompt lookup is off so every step is one token. Median of --repeat interleaved rounds.
-Prints a table, writes JSON.
+Prompt lookup is off so every step is one token. Median of --repeat interleaved rounds,
+and the round-by-round ratios' geometric mean with its 95% interval (chain / greedy:
+the issue's >= 0.97). Prints a table, writes JSON.
 
 Then, per model, where the time outside `decode` goes (CPU time of the calling thread,
 so a busy machine's preemption is not counted; llama.cpp runs on one thread here so its
@@ -37,6 +38,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+
+from bench_lookup import paired_ratio
 
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
 TOOLS = Path(os.environ.get("LOCALRUN_TOOLS", Path.home() / ".cache" / "localrun" / "tools"))
@@ -91,8 +94,13 @@ def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
                 runs[name].append(eng.complete(prompt, max_tokens=n_gen, lookup=False, **settings[name]).timings.decode_tps)
     row = {"model": path.name, "threads": threads, "n_gen": n_gen, "depth": depth}
     row.update({name: statistics.median(r) if r else None for name, r in runs.items()})
+    # a round's settings ran minutes apart at most, its neighbours' up to an hour: the
+    # round-by-round ratios resolve what a ratio of medians cannot on this CPU
+    row["paired"] = {label: paired_ratio(runs[num], runs[den]) for label, (num, den) in PAIRED.items()}
     return row
 
+
+PAIRED = {"chain/greedy": ("default_chain", "greedy"), "dflt/greedy": ("params_default", "greedy")}
 
 CHAINS = {  # SamplingParams() is llama-server's default chain; the issue's bench adds a repeat penalty
     "default": {},
@@ -313,6 +321,10 @@ def main() -> int:
             f"{(r['default_chain'] / native) if native else float('nan'):12.2f} {r['default_chain'] / r['greedy']:12.2f} {r['params_default'] / r['greedy']:11.2f} "
             f"{r['chain_json_schema']:8.1f} {r['chain_json_schema'] / r['chain_unconstrained']:9.2f}"
         )
+    print("round-by-round ratios, geometric mean (95% interval):")
+    for r in rows:
+        cells = [f"{label} {m:.3f} ({lo:.3f}-{hi:.3f})" for label, got in r["paired"].items() if got for m, lo, hi in [got]]
+        print(f"  {r['model']:34} " + ("  ".join(cells) or "needs --repeat 2 or more"))
     Path(args.out).write_text(json.dumps({"decode": rows, "overhead": overhead}, indent=2))
     return 0
 
