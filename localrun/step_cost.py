@@ -149,7 +149,9 @@ class StepCost:
 
     def _update(self, shape: int, ms: float) -> None:
         """The filter's update by a step whose log time is the speed plus state `shape`'s
-        log shape (shape 0: the speed alone, a one-row step)."""
+        log shape. The engine's steps come here for shape >= 1 (wide steps); shape 0,
+        the speed alone, is the whole-state form of a one-row step that _one_row must
+        equal (tests/test_step_cost.py holds them to each other)."""
         cov = self._cov
         link = cov[:, 0] + cov[:, shape] if shape else cov[:, 0].copy()  # each state's covariance with it
         spread = float(link[0] + (link[shape] if shape else 0.0)) + self.JITTER ** 2

@@ -63,8 +63,8 @@ def llama_bench_tg(model: Path, threads: int, n_gen: int, depth: int, flash_attn
 def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
     """Every setting once per round, rounds repeated, medians reported: on a 2-core
     machine speed drifts by ±10% over a minute, and back-to-back blocks of runs would
-    read that drift as a difference between settings. The order rotates by round. llama-bench decodes at the same
-    context depth as our runs (after the prompt)."""
+    read that drift as a difference between settings. The order rotates by round.
+    llama-bench decodes at the same context depth as our runs (after the prompt)."""
     from localrun.engine import Engine
     from localrun.grammar import Grammar
     from localrun.sampling import SamplingParams
