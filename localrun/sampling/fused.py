@@ -11,9 +11,11 @@ distinct calls, not the work. So this path:
 * penalises the repeated tokens inside the row itself, through a memoryview, and puts
   the old values back before it returns (the caller's row is unchanged afterwards; a
   read-only row is copied first): no patch bookkeeping, no np.unique;
-* finds the top k with one pass (column maxima of a (rows, 4096) view), a bound on
-  the k-th largest from 64 maxima of those, and a gather of the few columns that reach
-  it;
+* finds the top k with one call: _topk.c's single pass (a heap of the best k and a
+  vectorised "anything above its worst?" test per block of the row), or, where no C
+  compiler built that, with numpy: one pass for the column maxima of a (rows, 4096)
+  view, a bound on the k-th largest from 64 maxima of those, and a gather of the few
+  columns that reach it;
 * runs top-p, min-p, temperature and the draw in Python floats over the k sorted
   candidates: the cuts and roundings are the staged functions' (`stages.py`), the
   exponentials run in float64 instead of float32, so a probability may differ in its
@@ -36,7 +38,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .params import _ARGMAX_CHANGING, SamplingParams
-from .stages import _Cands, _head_columns
+from .stages import _Cands, _head_columns, _native_top_k
 
 # columns of the top-k view: 4096 maxima are cheap to partition, and a 262k row is 64
 # rows of them (49k: 12). Below MIN_ROW the staged chain is as fast.
@@ -192,8 +194,16 @@ class FusedChain:
 
     def top(self, row: np.ndarray) -> tuple[list[int], list[float]] | None:
         """The k largest logits, sorted descending (ties: the lower id first), and their
-        ids. View the row as (rows, GROUPS): one pass for the column maxima, then only
-        the columns whose maximum can reach the top k are read again (_head_columns)."""
+        ids: the C module's one pass where it is built (_topk.c), else numpy's. None for
+        a row with a NaN or fewer than k logits above -inf (grammar-masked)."""
+        if _native_top_k is not None:
+            return _native_top_k(row, self.k)
+        return self.top_numpy(row)
+
+    def top_numpy(self, row: np.ndarray) -> tuple[list[int], list[float]] | None:
+        """`top` in numpy. View the row as (rows, GROUPS): one pass for the column
+        maxima, then only the columns whose maximum can reach the top k are read again
+        (_head_columns)."""
         k, n = self.k, row.shape[0]
         width = n // GROUPS
         body = row[: width * GROUPS].reshape(width, GROUPS)

@@ -9,6 +9,14 @@ from typing import Sequence
 
 import numpy as np
 
+try:  # the top-k in one C pass (_topk.c); a machine that built without a C compiler has numpy's
+    from ._topk import top_k as _native_top_k
+except ImportError:
+    _native_top_k = None
+
+# Up to this k the C pass's heap stays small (it sorts what it keeps, too).
+_NATIVE_MAX_K = 1024
+
 
 # -- candidates ----------------------------------------------------------------------
 
@@ -174,7 +182,8 @@ def _head_columns(maxima: np.ndarray, k: int) -> tuple[float, np.ndarray]:
 
 
 def _top_indices(logits: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values, unordered, reading the row once.
+    """Indices of the k largest values, unordered, reading the row once: the C pass
+    where it is built and takes the row, else numpy's:
 
     View the row as a (width, groups) matrix: the column maxima (one vectorised pass:
     an elementwise max of its rows) are `groups` distinct elements, so a lower bound on
@@ -184,6 +193,11 @@ def _top_indices(logits: np.ndarray, k: int) -> np.ndarray:
     n = logits.shape[0]
     if k <= 0:
         return np.empty(0, dtype=np.int64)
+    if (_native_top_k is not None and k <= _NATIVE_MAX_K and n >= 8 * k and logits.ndim == 1
+            and logits.dtype == np.float32 and logits.flags.c_contiguous):
+        top = _native_top_k(logits, k)
+        if top is not None:  # None: a NaN, or a grammar-masked row (numpy's way below)
+            return np.array(top[0], dtype=np.int64)
     groups = max(4 * k, min(_TOP_GROUPS, n // 16))
     if n < 8 * groups:
         cand = np.arange(n)
@@ -201,9 +215,13 @@ def _top_indices(logits: np.ndarray, k: int) -> np.ndarray:
             past = np.flatnonzero(logits[width * groups :] >= bound)
             if past.size:
                 cand = np.concatenate([cand, past + width * groups])
-    if cand.size > k:
+    if cand.size > k:  # cand ascends, so of the ties at the k-th value the lowest ids stay (as the C pass)
         vals = logits[cand]
-        cand = cand[np.argpartition(vals, cand.size - k)[cand.size - k :]]
+        kth = np.partition(vals, cand.size - k)[cand.size - k]
+        above, tied = np.flatnonzero(vals > kth), np.flatnonzero(vals == kth)
+        if above.size + tied.size >= k:
+            return np.concatenate([cand[above], cand[tied[: k - above.size]]])
+        cand = cand[np.argpartition(vals, cand.size - k)[cand.size - k :]]  # a NaN among them: any k
     return cand
 
 
