@@ -7,7 +7,9 @@ and with that chain under a JSON schema vs without; plus native llama-bench tg f
 same model, threads and context depth when it is built (scripts/build_llama_bench.sh).
 Prompt lookup is off so every step is one token. Median of --repeat interleaved rounds,
 and the round-by-round ratios' geometric mean with its 95% interval (chain / greedy:
-the issue's >= 0.97). Prints a table, writes JSON.
+the issue's >= 0.97), and the ratio that the engine loop's measured cost outside decode
+implies at greedy's speed (thread CPU, so the machine's drift between rounds, ±6% on
+this 2-core CPU over 9 rounds, does not blur it). Prints a table, writes JSON.
 
 Then, per model, where the time outside `decode` goes (CPU time of the calling thread,
 so a busy machine's preemption is not counted; llama.cpp runs on one thread here so its
@@ -325,6 +327,13 @@ def main() -> int:
     for r in rows:
         cells = [f"{label} {m:.3f} ({lo:.3f}-{hi:.3f})" for label, got in r["paired"].items() if got for m, lo, hi in [got]]
         print(f"  {r['model']:34} " + ("  ".join(cells) or "needs --repeat 2 or more"))
+    print("the same ratios implied by the engine loop's cost outside decode (thread CPU, free of the")
+    print("machine's drift between rounds): 1 / (1 + (chain's - greedy's us a token) x greedy tok/s / 1e6):")
+    for r, o in zip(rows, overhead):
+        us = {chain: per["outside decode"] for chain, per in o["engine_us"].items()}
+        r["implied"] = {label: 1 / (1 + (us[chain] - us["greedy"]) * r["greedy"] / 1e6)
+                        for label, chain in (("chain/greedy", "default+rep1.1"), ("dflt/greedy", "default"))}
+        print(f"  {r['model']:34} " + "  ".join(f"{label} {v:.3f}" for label, v in r["implied"].items()))
     Path(args.out).write_text(json.dumps({"decode": rows, "overhead": overhead}, indent=2))
     return 0
 
