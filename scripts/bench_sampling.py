@@ -102,6 +102,75 @@ def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
     return row
 
 
+def chain_vs_greedy(path: Path, threads: int, n_gen: int, rounds: int) -> dict:
+    """The issue's chain/greedy alone, settled by many short A/B rounds: greedy and the
+    chain (with repeat 1.1) alternate generation by generation, the order flipping each
+    round, so a round's pair sees the same load and a trend cancels. Every step's wall
+    clock is split into decode and the rest, so a cost that the chain's longer gap puts
+    on the next decode (llama.cpp's worker threads cooling between decodes) shows as a
+    slower decode after chain steps, which thread CPU outside decode cannot see."""
+    from localrun.engine import Engine
+    from localrun.sampling import SamplingParams
+
+    settings = {"greedy": dict(temperature=0),
+                "chain": dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, repeat_penalty=1.1, seed=1)}
+    tps: dict[str, list[float]] = {name: [] for name in settings}
+    walls: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in settings}
+    with Engine.open(path, n_ctx=2048, threads=threads) as eng:
+        prompt = eng.chat_prompt([{"role": "user", "content": PROMPT}]) if eng.info.chat_template else eng.tokenize(PROMPT + "\n[")
+        decode = eng.backend.decode
+        last = {}
+
+        def timed_decode(batch):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return decode(batch)
+            finally:
+                last["wall"], last["cpu"] = time.perf_counter() - t0, time.thread_time() - c0
+
+        eng.backend.decode = timed_decode
+        try:
+            for kw in settings.values():  # warm-up
+                eng.complete(prompt, max_tokens=8, lookup=False, sampling=SamplingParams(**kw), ignore_eos=True)
+            names = list(settings)
+            for r in range(rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    gen = eng.start(prompt, sampling=SamplingParams(**settings[name]), max_tokens=n_gen,
+                                    ignore_eos=True, lookup=False, stop=STOPS)
+                    eng.step([gen])  # the prompt, and the first token
+                    at = walls[name]
+                    while not gen.done:
+                        t0 = time.perf_counter()
+                        events = eng.step([gen])
+                        step = time.perf_counter() - t0
+                        at["decode wall"].append(last["wall"])
+                        at["decode thread CPU"].append(last["cpu"])
+                        at["outside decode wall"].append(step - last["wall"])
+                        at["step wall"].append(step)
+                    ev = events[gen.seq]
+                    tps[name].append(ev.timings.decode_tps)
+                    eng.release(gen)
+        finally:
+            del eng.backend.decode
+    return {"model": path.name, "threads": threads, "n_gen": n_gen, "rounds": rounds,
+            "tps": {name: statistics.median(v) for name, v in tps.items()},
+            "paired": paired_ratio(tps["chain"], tps["greedy"]),
+            "steps": {name: len(at["step wall"]) for name, at in walls.items()},
+            "us": {name: {k: _median_us(v) for k, v in at.items()} for name, at in walls.items()},
+            "mean_step_us": {name: 1e6 * statistics.fmean(at["step wall"]) for name, at in walls.items()}}
+
+
+def print_chain_vs_greedy(rows: list[dict]) -> None:
+    print("chain (top-k 40, top-p 0.95, min-p 0.05, temp 0.8, repeat 1.1) / greedy, A/B rounds:")
+    for r in rows:
+        m, lo, hi = r["paired"]
+        print(f"  {r['model']:34} {r['rounds']} rounds x {r['n_gen']} tokens, {r['threads']} threads: "
+              f"greedy {r['tps']['greedy']:.1f} tok/s, chain {r['tps']['chain']:.1f}, paired {m:.3f} ({lo:.3f}-{hi:.3f})")
+        for name, per in r["us"].items():
+            print(f"    {name:7} per step, medians: " + "  ".join(f"{k} {v:.1f} us" for k, v in per.items())
+                  + f"  (mean step {r['mean_step_us'][name]:.1f} us)")
+
+
 PAIRED = {"chain/greedy": ("default_chain", "greedy"), "dflt/greedy": ("params_default", "greedy")}
 
 CHAINS = {  # SamplingParams() is llama-server's default chain; the issue's bench adds a repeat penalty
@@ -306,7 +375,13 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default="bench-sampling.json")
     ap.add_argument("--stages-only", action="store_true", help="only the per-stage and engine-loop costs")
+    ap.add_argument("--ab", type=int, metavar="ROUNDS", help="only chain/greedy, settled by ROUNDS alternating A/B rounds")
     args = ap.parse_args()
+    if args.ab:
+        rows = [chain_vs_greedy(Path(m), args.threads, args.n_gen, args.ab) for m in args.models]
+        print_chain_vs_greedy(rows)
+        Path(args.out).write_text(json.dumps({"chain_vs_greedy": rows}, indent=2))
+        return 0
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print("per-token thread CPU outside decode, the goal on a 262k vocabulary: <= 500 us for the default chain")
     overhead = [overhead_report(Path(m), args.n_gen, args.repeat) for m in args.models]
