@@ -342,9 +342,14 @@ class DraftController:
         return self.acceptance.rate(slot)
 
     def row_cost(self, rows: int) -> float:
+        return self.row_costs(rows)[rows]
+
+    def row_costs(self, most: int) -> list[float]:
+        """row_cost(r) for every r in 0..most, as a list (index r; 0 and 1 rows cost 1)."""
         if not self.cfg.measure_cost:
-            return 1.0 + self.cfg.cost_per_draft * (rows - 1)
-        return self.cost.ratio(rows, self.cfg.cost_per_draft)
+            per = self.cfg.cost_per_draft
+            return [1.0] + [1.0 + per * (r - 1) for r in range(1, most + 1)]
+        return self.cost.ratios(most, self.cfg.cost_per_draft)
 
     def draft(self, history: list[int], room: int) -> list[int]:
         """The tokens to verify after the pending one ([] for a plain step)."""
@@ -408,12 +413,13 @@ class DraftController:
         best_k, best_gain = 0, self.cfg.min_gain
         gains = [0.0]
         expected, term = 1.0, 1.0
+        costs = self.row_costs(available + 1)
         for k in range(1, available + 1):
             term *= rate
             # the tokens a k-draft step yields on average: 1 + rate + ... + rate**k, each
             # term scaled by the phrase-repeat odds when it continues the answer's own text
             expected += term if repeat_of is None else term * repeat_of / (repeat_of + k)
-            gain = expected / self.row_cost(k + 1)
+            gain = expected / costs[k + 1]
             gains.append(gain)
             if gain > best_gain:
                 best_k, best_gain = k, gain

@@ -124,3 +124,29 @@ def test_one_row_steps_queued_and_held_out_of_the_shape_update_it_as_the_whole_f
     held._settle()
     np.testing.assert_allclose(held._cov, dense._cov, rtol=1e-8, atol=1e-12)
     np.testing.assert_allclose(held._mean, dense._mean, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("measure_cost", [True, False])
+def test_every_widths_price_at_once_is_each_widths_price(measure_cost):
+    """best_length reads one list of prices: it must hold each width's price, the filter's
+    optimistic shape up to the widths it knows and the config's line a row past them (or
+    the config's line alone when costs are not measured)."""
+    cost = StepCost()
+    rng = np.random.default_rng(5)
+    for step in range(300):
+        rows = 1 if step % 7 else int(rng.integers(2, 30))
+        cost.observe(rows, 20.0 * (1 + 0.6 * (rows - 1)) * float(np.exp(rng.normal(0, 0.08))))
+    per = LookupConfig().cost_per_draft
+    ctrl = DraftController(LookupConfig(measure_cost=measure_cost), cost)
+    most, known = StepCost.MAX_ROWS + 9, StepCost.MAX_ROWS
+    prices = ctrl.row_costs(most)
+    if measure_cost:
+        cost._take_queued()
+        shape = cost._shape_prices()
+        want = shape + [shape[known] + per * (r - known) for r in range(known + 1, most + 1)]
+        assert want[20] > 1.0 + per * 19  # learned from the steps above, not the prior line
+    else:
+        want = [1.0] + [1.0 + per * (r - 1) for r in range(1, most + 1)]
+    assert prices == pytest.approx(want, rel=1e-12) and prices[:2] == [1.0, 1.0]
+    assert [ctrl.row_cost(r) for r in range(1, most + 1)] == prices[1:]
+    assert ctrl.row_costs(5) == prices[:6]
