@@ -239,7 +239,8 @@ class StepCost:
     def ratios(self, most: int, prior_per_row: float) -> list[float]:
         """`ratio` of every width at once: index r holds r rows' price, for r in 0..most.
         A draft is priced at every length it could take (up to 48), so one list read
-        in a loop of arithmetic replaces that many calls (~75 us a token on a chat)."""
+        in a loop of arithmetic replaces that many calls (SmolLM2's poem after code edits:
+        327 -> 219 us a token outside decode with lookup on)."""
         self._take_queued()
         if self._prices is None:
             self._prices = self._shape_prices()

@@ -163,9 +163,9 @@ def chain_vs_greedy(path: Path, threads: int, n_gen: int, rounds: int) -> dict:
 def print_chain_vs_greedy(rows: list[dict]) -> None:
     print("chain (top-k 40, top-p 0.95, min-p 0.05, temp 0.8, repeat 1.1) / greedy, A/B rounds:")
     for r in rows:
-        m, lo, hi = r["paired"]
+        paired = "paired {:.3f} ({:.3f}-{:.3f})".format(*r["paired"]) if r["paired"] else "paired: needs 2 rounds or more"
         print(f"  {r['model']:34} {r['rounds']} rounds x {r['n_gen']} tokens, {r['threads']} threads: "
-              f"greedy {r['tps']['greedy']:.1f} tok/s, chain {r['tps']['chain']:.1f}, paired {m:.3f} ({lo:.3f}-{hi:.3f})")
+              f"greedy {r['tps']['greedy']:.1f} tok/s, chain {r['tps']['chain']:.1f}, {paired}")
         for name, per in r["us"].items():
             print(f"    {name:7} per step, medians: " + "  ".join(f"{k} {v:.1f} us" for k, v in per.items())
                   + f"  (mean step {r['mean_step_us'][name]:.1f} us)")
