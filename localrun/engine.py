@@ -69,6 +69,7 @@ class Engine:
         self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
         self.step_cost = StepCost()  # what a wider speculative step costs on this model
         self.acceptance = Acceptance()  # what this model's drafts have done lately, per match length
+        self._turn_marks: dict[int, bool] = {}  # token -> a control or end-of-generation token
         self.drift = drift_cache.recall(backend)  # how far a wide step's rows stray from one-row steps'
 
     @property
@@ -181,7 +182,8 @@ class Engine:
         )
         if request.lookup.enabled:
             gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance, answer_start=len(tokens),
-                                         spelling=self.token_text)
+                                         spelling=self.token_text,
+                                         control=self.turn_marks(tokens))
         if request.tools:  # prepare() built and compiled it: cache hits
             grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
             gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
@@ -194,6 +196,16 @@ class Engine:
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    def turn_marks(self, tokens: Sequence[int]) -> frozenset[int]:
+        """The control and end-of-generation tokens among `tokens` (a chat template's turn
+        marks), which prompt lookup never drafts (see DraftController.draft)."""
+        marks, distinct = self._turn_marks, set(tokens)
+        # each token is asked once per engine: a 6,000-token prompt took ~1 ms the first
+        # time, 0.15 ms after (Qwen2.5; every distinct token asked each time: 1.3 ms)
+        for t in distinct.difference(marks):
+            marks[t] = t in self.info.stop_ids or self.backend.is_control(t)
+        return frozenset(t for t in distinct if marks[t])
 
     def check_prompt(self, tokens: Sequence[int], max_tokens: int | None = None) -> None:
         """Every check `start` makes on a prompt, for callers that must refuse a request

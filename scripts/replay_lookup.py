@@ -27,6 +27,9 @@ the next's, as in the engine).
 Between two answers, `--plain-between` one-row steps of a lookup-off answer pass through
 the same StepCost, as bench_lookup.py's plain runs share the engine with its lookup runs.
 
+As in the engine, no draft holds the prompts' turn marks (the chat template's control and
+end-of-generation tokens, recorded with the answers).
+
 The ngram-simple rule, as llama-server's documentation and defaults give it: draft when
 the last 12 tokens occurred earlier; the draft is what followed the most recent such
 occurrence, up to 48 tokens, and nothing when fewer than 12 followed.
@@ -100,11 +103,13 @@ class Session:
     table of the task being answered; `drift`: the recorded speed the observed times carry,
     from `clock_ms` on."""
 
-    def __init__(self, table: CostTable, drift: Drift | None = None, clock_ms: float = 0.0) -> None:
+    def __init__(self, table: CostTable, drift: Drift | None = None, clock_ms: float = 0.0,
+                 control: frozenset[int] = frozenset()) -> None:
         from localrun.speculative import Acceptance, StepCost
 
         self.table, self.acceptance, self.step_cost = table, Acceptance(), StepCost()
         self.drift, self.clock_ms = drift, clock_ms
+        self.control = control  # the prompts' turn marks (Engine.turn_marks), which no draft holds
 
     def step(self, rows: int, drafting: bool = True) -> float:
         cost = self.table.ratio(rows)
@@ -136,8 +141,9 @@ def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
             eng.backend.kv_clear(0)
             res = eng.complete(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens, lookup=False)
             answers[name] = (list(prompt), list(res.tokens))
-        return {"answers": answers, "cost": {name: measure_table(eng.backend, prompt, reps)
-                                             for name, prompt in prompts.items()}}
+        control = sorted({t for prompt in prompts.values() for t in eng.turn_marks(prompt)})
+        return {"answers": answers, "control": control,
+                "cost": {name: measure_table(eng.backend, prompt, reps) for name, prompt in prompts.items()}}
     finally:
         eng.close()
 
@@ -206,7 +212,8 @@ def replay(rule: str, prompt: list[int], answer: list[int], session: Session, ma
     from localrun.engine import _common_prefix
     from localrun.speculative import DraftController, LookupConfig
 
-    ctrl = (DraftController(LookupConfig(), session.step_cost, session.acceptance, answer_start=len(prompt))
+    ctrl = (DraftController(LookupConfig(), session.step_cost, session.acceptance, answer_start=len(prompt),
+                            control=session.control)
             if rule == "localrun" else None)
     truth = answer + [-1]  # nothing drafts past the answer's end
     pos, spent, steps, accepted, drafted = 1, 0.0, 0, 0, 0
@@ -227,7 +234,8 @@ def session_plans(data: dict, tables: dict[str, CostTable], rounds: int, plain_b
     """Task -> rule -> replay()'s plan, of the last of `rounds` times through the tasks on
     one session (bench_lookup.py's warm-up first, a lookup-off answer after each task)."""
     first = next(iter(TASKS))
-    session, rows = Session(tables[first], drift, start_ms), {}
+    # a file written before turn marks were recorded replays drafts through them
+    session, rows = Session(tables[first], drift, start_ms, frozenset(data.get("control", ()))), {}
     first_prompt, first_answer = data["answers"][first]
     session.plain_answer(WARM_TOKENS)  # bench_lookup.py's warm-up: plain, then with lookup
     replay("localrun", first_prompt, first_answer[:WARM_TOKENS], session, WARM_TOKENS)
@@ -311,7 +319,8 @@ def main(argv=None) -> int:
             x, vs = [p[0] for p in pairs], [p[1] for p in pairs]
             print(f"  {group}: localrun x {_geo(x):.2f} (lowest {min(x):.2f}), "
                   f"LU/simple {_geo(vs):.2f} (lowest {min(vs):.2f}), geometric means")
-        report[label] = {"answers": data["answers"], "cost": data["cost"], "plans": rows}
+        report[label] = {"answers": data["answers"], "control": data.get("control", []), "cost": data["cost"],
+                         "plans": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.out}")

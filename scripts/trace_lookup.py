@@ -55,7 +55,8 @@ class Tracer:
 
         slot = ctrl.priced  # its band, and whether the match is a phrase of the answer's own
         band = slot_label(slot) if slot >= 0 else "-"
-        rate = f"{ctrl.rate(slot):.3f}" if slot >= 0 else "-"  # -: nothing followed the match
+        # -: nothing followed the match, or only the chat template's turn marks
+        rate = f"{ctrl.rate(slot):.3f}" if slot >= 0 else "-"
         prices = " ".join(f"{w}:{ctrl.row_cost(w):.1f}" for w in PRICED)
         self.flush_quiet()
         self.lines.append(f"  pos {len(history):4}  match {match:2}  band {band:4}  rate {rate:5}  "

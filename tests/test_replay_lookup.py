@@ -87,3 +87,25 @@ def test_record_drift_refuses_a_bad_argument_in_one_line(tmp_path):
     done = _run("record_drift.py", "--seconds", "0", "--out", str(tmp_path / "d.json"))
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith("error: ")
+
+
+def test_replayed_drafts_stop_before_the_recorded_turn_marks(tmp_path):
+    """An answer that echoes the question and goes on in its own words: the engine's drafts
+    end where the question does, before the turn mark; a file without recorded marks
+    replays drafts through it."""
+    question, mark = list(range(100, 160)), 999
+    answers = {name: (question + [mark], question + list(range(500, 568))) for name in TASKS}
+    ratios = {1: 1.0, 2: 1.8, 4: 2.8, 8: 4.4, 16: 7.0, 33: 13.0, 49: 19.0}
+    kept_drafted = {}
+    for marks in ([], [mark]):
+        path = tmp_path / f"marks{len(marks)}.json"
+        path.write_text(json.dumps({"tiny": {"answers": answers, "control": marks, "cost": ratios}}))
+        done = _run("replay_lookup.py", "--load", str(path))
+        assert done.returncode == 0, done.stderr[-2000:]
+        row = re.search(r"\n  rename +[\d.]+x +(\d+)/(\d+) ", done.stdout)
+        assert row, done.stdout
+        kept_drafted[len(marks)] = tuple(map(int, row.groups()))
+    kept, drafted = kept_drafted[1]
+    assert kept == drafted > 0  # every draft ended with the question
+    kept, drafted = kept_drafted[0]
+    assert drafted > kept  # the mark was drafted, and rejected

@@ -404,6 +404,27 @@ def test_after_a_kept_draft_the_copy_goes_on_where_it_was_even_behind_a_common_p
     assert c.draft(h, 10)[:3] == [200, 201, 202]
 
 
+def test_a_draft_stops_before_the_templates_control_tokens():
+    question, end_turn, start_turn = list(range(100, 120)), 900, 901
+    history = question + [end_turn, start_turn] + question[:12]  # the answer echoes the question
+    cheap = LookupConfig(measure_cost=False, cost_per_draft=0.01)
+    assert DraftController(cheap).draft(history, 32)[:9] == question[12:] + [end_turn]
+    held = DraftController(cheap, control=frozenset({end_turn, start_turn}))
+    assert held.draft(history, 32) == question[12:]  # the echo's end, not the turn's
+
+
+def test_the_engine_never_drafts_a_control_token_of_the_prompt():
+    control = EOS  # the scripted backend's one control token (a turn's end, in a chat prompt)
+    prompt = [ord(c) for c in "abcab"] + [control] + [ord(c) for c in "ab"]
+    be = ScriptedBackend(logits_fn=markov_logits, n_ctx=128)
+    eng = Engine(be)
+    eng.drift = BatchDrift.known(0.0)
+    events = list(eng.generate(prompt, sampling=GREEDY, max_tokens=20,
+                               lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2)))
+    assert events[-1].timings.drafted > 0  # it drafted the pattern...
+    assert all(control not in e.tokens for call in be.calls[1:] for e in call)  # ...never the control token
+
+
 def test_controller_lengthens_drafts_when_they_are_accepted():
     c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 140))
