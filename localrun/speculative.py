@@ -384,8 +384,10 @@ class DraftController:
         # it copied: an answer that echoes its question ("Sure, here are three ideas for a
         # weekend trip") goes on in its own words, not with "<|im_end|>". Drafted through
         # them, Qwen2.5's trip, asked alone, drafted 5-16 tokens there and kept one, every
-        # answer; held back, 0.981x (0.970-0.992) -> 0.995x (0.988-1.003) lookup off
-        # (scripts/lookup_step_ledger.py, 24 pairs). Replayed (scripts/replay_lookup.py),
+        # answer; held back, 0.981x (0.970-0.992) -> 0.995x (0.988-1.003) and, rerun,
+        # 0.988x (0.980-0.995) lookup off (scripts/lookup_step_ledger.py, 24 pairs; what
+        # is left is " You" drafting "are a helpful assistant." from the system prompt,
+        # none of it kept). Replayed (scripts/replay_lookup.py),
         # Qwen2.5's typos 1.15x -> 1.23x, SmolLM2's rename 1.41x -> 1.45x lookup off.
         if not self.control.isdisjoint(candidate):
             candidate = list(takewhile(lambda t: t not in self.control, candidate))
