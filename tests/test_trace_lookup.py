@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -30,9 +31,13 @@ def test_trace_shows_each_decision_of_a_copying_answer_and_the_step_that_verifie
     drafted = [s for s in steps if not s.lstrip().startswith("step  1 ")]
     assert drafted, "a copied code edit drafts"
     assert all(re.search(r"kept \d+/\d+$", s) for s in drafted)  # every wide step got its verdict
-    texts = [line for line in trace if line.lstrip().startswith("tail ")]
-    assert len(texts) == len(decisions)  # --text: each decision's tail and draft as text
-    assert any("merge_intervals" in t for t in texts)  # the function the answer copies
+    texts = [re.fullmatch(r" *tail (.+)  draft (.+)", line) for line in trace if line.lstrip().startswith("tail ")]
+    assert len(texts) == len(decisions) and all(texts)  # --text: each decision's tail and draft as text
+    shown = [ast.literal_eval(t[1]) + ast.literal_eval(t[2]) for t in texts]
+    # The function the answer copies. How far each draft reaches depends on the step prices this
+    # machine measured, so the name may be split between a tail and its draft, or a draft may leap
+    # past it; the tail (12 tokens) plus its draft around "def" always shows "def merge".
+    assert any("def merge" in s for s in shown), shown
 
 
 def test_trace_refuses_a_bad_argument_in_one_line():
