@@ -16,7 +16,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import build_app
-    from .models import ModelManager, parse_keep_alive
+    from .models import ModelManager, display_name, parse_keep_alive
     from .shutdown import BoundedServer
 
     if args.parallel < 1:
@@ -38,12 +38,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..backends import remote
 
         remote.set_call_timeout(args.rpc_timeout)  # for every model hosted over the workers, as --rpc is
+    aliases = [_parse_alias(a) for a in args.alias or []]
+    for _, target in aliases:
+        if target not in (args.model or []) and target not in {display_name(m) for m in args.model or []}:
+            _check_model(target, args.trust_remote_code)  # an alias to nothing fails now, as a --model does
     manager = ModelManager(
         args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
         args.batch, args.max_models, kv_cache_type=args.kv_cache_type, allow_paths=args.allow_paths,
-        trust_remote_code=args.trust_remote_code, chat_template=args.chat_template,
+        trust_remote_code=args.trust_remote_code, chat_template=args.chat_template, aliases=aliases,
     )
     _log_to_stderr(args.log_level)
+    _announce_contexts(manager)
     app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body, args.host)
     print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)",
           file=sys.stderr)
@@ -62,6 +67,28 @@ def _check_model(name: str, trust_remote_code: bool) -> None:
     path = store.resolve_model(name)
     if path.is_dir():
         check_remote_code(path, trust_remote_code, "add --trust-remote-code if you trust it")
+
+
+def _parse_alias(text: str) -> tuple[str, str]:
+    """`--alias NAME=MODEL`: NAME may be a glob (claude-*, gpt-*)."""
+    name, sep, target = text.partition("=")
+    if not sep or not name.strip() or not target.strip():
+        raise BadRequestError(f"--alias must be NAME=MODEL (e.g. 'claude-*=qwen2.5-coder'), got {text!r}")
+    return name.strip(), target.strip()
+
+
+def _announce_contexts(manager) -> None:
+    """Print the context each --model will be served with, and why: an agent must be told
+    the real window (see the README's Coding agents section)."""
+    from .. import store
+
+    for display, spec in manager.configured.items():
+        try:
+            path = str(store.resolve_model(spec))
+        except Exception:  # noqa: BLE001 -- checked by _check_model already; a listing never stops the server
+            continue
+        choice = manager.context_for(path)
+        print(f"{display}: context {choice.n_ctx} tokens per request ({choice.why})", file=sys.stderr)
 
 
 def _log_to_stderr(level: str = "info") -> None:
@@ -103,7 +130,12 @@ def add_commands(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--parallel", type=int, default=4, help="requests decoded together per model (default 4)")
-    p.add_argument("--ctx", type=int, default=None, help="context size per request (default: min(4096, trained))")
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context size per request (default: the model's trained context, or the most of it that"
+                   " fits this machine's memory with --parallel slots; printed at start)")
+    p.add_argument("--alias", action="append", default=None, metavar="NAME=MODEL",
+                   help="requests naming NAME get MODEL (repeatable; NAME may be a glob such as 'claude-*' or"
+                   " 'gpt-*', for agents that send their own model names); listed in /v1/models and /api/tags")
     p.add_argument("--batch", type=int, default=256,
                    help="most tokens one step decodes (default 256): smaller lets a cancel or a new request"
                    " in sooner during a long prompt, larger reads prompts a little faster")

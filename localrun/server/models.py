@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import math
 import contextvars
+import fnmatch
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ from ..backends.remote import is_lost
 from ..chat_template import load_template_file
 from ..engine import Engine
 from ..errors import BadRequestError, LocalrunError, ModelLoadError, ModelNotFoundError, UnsupportedFormatError
+from .context import ContextChoice, served_context
 from .scheduler import QueueFullError, Scheduler
 
 log = logging.getLogger("localrun.server")
@@ -44,6 +46,7 @@ log = logging.getLogger("localrun.server")
 DEFAULT_KEEP_ALIVE = 300.0
 MAX_KEEP_ALIVE_CHARS = 64  # "1h30m" is 5; a duration string has no reason to be long
 REAP_GRACE_S = 2.0
+RELOAD_WAIT_S = 30.0  # how long a request for a larger context waits for the model's other requests
 STORE_TTL_S = 5.0  # how long a listing of the installed models is reused
 FOUND_CACHE_MAX = 1024  # store names resolved per listing
 NAME_ECHO_CHARS = 120  # how much of a refused model name an error repeats
@@ -264,6 +267,7 @@ class ModelManager:
         allow_paths: bool = False,
         trust_remote_code: bool = False,
         chat_template: str | None = None,
+        aliases: list[tuple[str, str]] | None = None,
     ) -> None:
         self.configured = {display_name(m): m for m in models}  # name -> path or store name
         # a --model may be named by its listed name or exactly as it was given
@@ -281,6 +285,12 @@ class ModelManager:
         # now, so a broken file stops the server before it serves (the text is /api/show's)
         self.chat_template_file = chat_template
         self.chat_template = load_template_file(chat_template) if chat_template is not None else None
+        # --alias NAME=MODEL: NAME (a glob such as claude-*) reaches MODEL, so an agent that
+        # sends its own model names finds a local one; first match wins, in the order given
+        self.aliases = list(aliases or [])
+        # a larger context a request asked for (Ollama's num_ctx), by real path: the model
+        # reloads with it and keeps it while it stays loaded
+        self._asked_ctx: dict[str, int] = {}
         self.store = StoreView()
         self.loaded: dict[str, Loaded] = {}  # by display name
         self._loading: dict[str, asyncio.Task] = {}  # by real path; each holds a --max-models place
@@ -305,13 +315,16 @@ class ModelManager:
                 return model.name, path
         return display, path
 
-    async def _served(self, name: str) -> tuple[str, str]:
+    async def _served(self, name: str, aliased: bool = True) -> tuple[str, str]:
         for candidate in dict.fromkeys((name, name.removesuffix(":latest"))):
             if candidate in self.loaded:
                 return candidate, self.loaded[candidate].path
             display = self._configured_names.get(candidate)
             if display is not None:
                 return display, await self._configured_path(display)
+        target = self.alias_target(name) if aliased else None
+        if target is not None:
+            return await self._served(target, aliased=False)  # an alias names a model, never another alias
         path = await self.store.find(name)
         if path is not None:
             return name, path
@@ -344,28 +357,55 @@ class ModelManager:
             self._configured_paths[display] = path
         return path
 
+    def alias_target(self, name: str) -> str | None:
+        """The model an --alias sends `name` to (exact names before globs), or None."""
+        for pattern, target in self.aliases:
+            if name == pattern:
+                return target
+        return next((target for pattern, target in self.aliases if fnmatch.fnmatchcase(name, pattern)), None)
+
     async def available(self) -> list[tuple[str, str]]:
-        """(name, path) of every model a request may name: configured, loaded, and installed."""
+        """(name, path) of every model a request may name: configured, loaded, installed,
+        and the aliases (listed under their NAME, a glob as written)."""
         out = dict(self.configured)
         for name, model in self.loaded.items():
             out.setdefault(name, model.path)
         for m in await self.store.models():
             out.setdefault(m.name, str(m.path))
+        for pattern, target in self.aliases:
+            display = self._configured_names.get(target)
+            out.setdefault(pattern, self.configured[display] if display else out.get(target, target))
         return list(out.items())
+
+    def context_for(self, path: str) -> ContextChoice:
+        """The context a load of `path` gets (see context.py): --ctx, a request's larger
+        num_ctx, or the trained context where memory allows. Reads the model's header:
+        off the event loop."""
+        asked = self._asked_ctx.get(path)
+        if asked is not None:
+            return ContextChoice(asked, f"a request asked for num_ctx {asked}")
+        return served_context(path, self.parallel, self.kv_cache_type, fixed=self.n_ctx)
 
     # -- leases and loading ----------------------------------------------------------
 
-    async def get(self, name: str | None, keep_alive=None) -> Loaded:
-        """The model, loaded if need be, held by the current request until it ends."""
+    async def get(self, name: str | None, keep_alive=None, n_ctx: int | None = None) -> Loaded:
+        """The model, loaded if need be, held by the current request until it ends.
+        `n_ctx` (Ollama's num_ctx): a context the model must have at least; a model
+        loaded with less reloads with it once no request holds it, as Ollama does."""
         leases = _request_leases.get()
         if leases is None:
             raise RuntimeError("ModelManager.get outside a request: wrap the call in models.request_scope()")
         ttl = self.keep_alive if keep_alive is None else parse_keep_alive(keep_alive)
         display, path = await self.resolve(name)
+        if n_ctx is not None:
+            await self._want_context(path, n_ctx)
         while True:
             model = self._loaded_at(path)
             if model is not None and is_lost(model.engine.backend):
                 self._drop_lost(model)  # its RPC worker died mid-answer: load it again
+                continue
+            if model is not None and n_ctx is not None and model.engine.n_ctx < n_ctx:
+                await self._reload_when_idle(model)
                 continue
             if model is not None:  # no await between finding it and holding it
                 leases.hold(model)
@@ -373,6 +413,32 @@ class ModelManager:
                 model.last_used = time.monotonic()
                 return model
             await self._load(display, path)
+
+    async def _want_context(self, path: str, n_ctx: int) -> None:
+        """Check that `n_ctx` fits (a 400 saying the most that does, if not) and remember
+        it for the next load of `path` when it is more than the model would get."""
+        loaded = self._loaded_at(path)
+        if loaded is not None and loaded.engine.n_ctx >= n_ctx:
+            return
+        if (await asyncio.to_thread(self.context_for, path)).n_ctx >= n_ctx:
+            return
+        choice = await asyncio.to_thread(served_context, path, self.parallel, self.kv_cache_type, n_ctx)
+        self._asked_ctx[path] = max(self._asked_ctx.get(path, 0), choice.n_ctx)
+
+    async def _reload_when_idle(self, model: Loaded) -> None:
+        """Unload `model` (to load it again with a larger context) once no request holds
+        it; a 503 if others keep it busy past RELOAD_WAIT_S."""
+        deadline = time.monotonic() + RELOAD_WAIT_S
+        while self.loaded.get(model.name) is model:
+            task = self._begin_unload(model)
+            if task is not None:
+                log.info("%s reloads with a context of %d tokens", model.name, self._asked_ctx[model.path])
+                await task
+                return
+            if time.monotonic() > deadline:
+                raise QueueFullError(f"model {model.name} is busy with a smaller context than 'num_ctx' asks;"
+                                     " retry when its other requests have ended")
+            await asyncio.sleep(0.05)
 
     def _loaded_at(self, path: str) -> Loaded | None:
         return next((m for m in self.loaded.values() if m.path == path), None)
@@ -426,7 +492,9 @@ class ModelManager:
             _check_remote_code(path, self.trust_remote_code)
         # --threads sizes llama.cpp's pool; MLX sizes its own and refuses the option
         threads = None if os.path.isdir(path) else self.threads
-        options = dict(n_ctx=self.n_ctx, n_seq=self.parallel, threads=threads, n_batch=self.n_batch,
+        context = self.context_for(path)
+        log.info("%s: a context of %d tokens per request (%s)", display, context.n_ctx, context.why)
+        options = dict(n_ctx=context.n_ctx, n_seq=self.parallel, threads=threads, n_batch=self.n_batch,
                        kv_cache_type=self.kv_cache_type)
         try:
             engine = _open_engine(path, self.trust_remote_code, options, self.chat_template_file)

@@ -129,7 +129,7 @@ async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
         st.manager.expire(display)
         await st.manager.reap(grace=0)  # now if idle; else once its last client is done
         return JSONResponse({"model": name, "created_at": _now(), key: empty, "done": True, "done_reason": "unload"})
-    await st.manager.get(name, keep)
+    await st.manager.get(name, keep, _num_ctx(b))
     return JSONResponse({"model": name, "created_at": _now(), key: empty, "done": True, "done_reason": "load"})
 
 
@@ -172,8 +172,15 @@ async def _model(st, b: Body):
         raise BadRequestError("'model' is required")
     t0 = time.perf_counter()
     loaded_before = (await st.manager.resolve(name))[0] in st.manager.loaded
-    model = await st.manager.get(name, b.get("keep_alive"))
+    model = await st.manager.get(name, b.get("keep_alive"), _num_ctx(b))
     return name, model, 0 if loaded_before else int((time.perf_counter() - t0) * 1e9)
+
+
+def _num_ctx(b: Body) -> int | None:
+    """`options.num_ctx`: the context the model must be loaded with, at least (Ollama
+    reloads a model for a larger one; a smaller one is served by the larger context, and a
+    prompt is never cut to fit: it is refused with the context's size instead)."""
+    return b.obj("options").int("num_ctx", lo=16, hi=MAX_PROMPT_TOKENS)
 
 
 async def chat(request: Request):
@@ -245,7 +252,7 @@ async def show(request: Request):
     d = await asyncio.to_thread(describe, name, path, loaded.engine if loaded else None, st.manager.chat_template)
     arch = d.architecture
     # the context this server gives a request (what a client may fill), not the trained one
-    served = loaded.engine.n_ctx if loaded else (st.manager.n_ctx or min(4096, d.context_length or 4096))
+    served = loaded.engine.n_ctx if loaded else (await asyncio.to_thread(st.manager.context_for, path)).n_ctx
     info = {"general.architecture": arch, "general.parameter_count": d.n_params,
             f"{arch}.context_length": served, f"{arch}.embedding_length": d.embedding_length}
     return JSONResponse(
