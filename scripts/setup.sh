@@ -85,3 +85,5 @@ fi
 echo "$key" > "$stamp"
 "$VPY" scripts/fetch_test_models.py >/dev/null
 "$VPY" scripts/fetch_grammars.py >/dev/null
+# the coding agents the agent tests drive (Claude Code, Codex CLI): pinned, from npm, cached
+bash scripts/install_agents.sh >/dev/null

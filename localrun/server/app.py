@@ -11,7 +11,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from . import llama_api, ollama_api, openai_api
+from . import anthropic_api, llama_api, ollama_api, openai_api, responses_api
 from .http import Guard, error_response
 from .models import ModelManager, request_scope
 from .state import ServerState
@@ -72,6 +72,6 @@ def build_app(
     async def http_error(request: Request, exc: HTTPException):
         return error_response(request.url.path, exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
 
-    app = Starlette(routes=[*openai_api.ROUTES, *ollama_api.ROUTES, *llama_api.ROUTES], lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=[*anthropic_api.ROUTES, *responses_api.ROUTES, *openai_api.ROUTES, *ollama_api.ROUTES, *llama_api.ROUTES], lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.localrun = ServerState(manager, body_limit)
     return Guard(LeaseScope(app), loopback, origins, api_key, bound_host)

@@ -16,7 +16,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import build_app
-    from .models import ModelManager, display_name, parse_keep_alive
+    from .keep_alive import parse_keep_alive
+    from .models import ModelManager, display_name
     from .shutdown import BoundedServer
 
     if args.parallel < 1:

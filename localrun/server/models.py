@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import contextvars
 import fnmatch
 import logging
 import os
-import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -39,49 +37,16 @@ from ..chat_template import load_template_file
 from ..engine import Engine
 from ..errors import BadRequestError, LocalrunError, ModelLoadError, ModelNotFoundError, UnsupportedFormatError
 from .context import ContextChoice, served_context
+from .keep_alive import DEFAULT_KEEP_ALIVE, parse_keep_alive
 from .scheduler import QueueFullError, Scheduler
 
 log = logging.getLogger("localrun.server")
 
-DEFAULT_KEEP_ALIVE = 300.0
-MAX_KEEP_ALIVE_CHARS = 64  # "1h30m" is 5; a duration string has no reason to be long
 REAP_GRACE_S = 2.0
 RELOAD_WAIT_S = 30.0  # how long a request for a larger context waits for the model's other requests
 STORE_TTL_S = 5.0  # how long a listing of the installed models is reused
 FOUND_CACHE_MAX = 1024  # store names resolved per listing
 NAME_ECHO_CHARS = 120  # how much of a refused model name an error repeats
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_keep_alive(value) -> float | None:
-    """Seconds to stay loaded after the last request; None = forever. Accepts what
-    Ollama does: a number of seconds, or a Go duration such as "5m", "1h30m", "-1"."""
-    if value is None:
-        return DEFAULT_KEEP_ALIVE
-    if isinstance(value, bool):
-        raise BadRequestError(f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        if len(value) > MAX_KEEP_ALIVE_CHARS:
-            raise BadRequestError(
-                f"'keep_alive' must be a duration such as \"5m\" (at most {MAX_KEEP_ALIVE_CHARS} characters)"
-            )
-        text = value.strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            parts = re.findall(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)", text)
-            if not parts or "".join(n + u for n, u in parts) != text:
-                raise BadRequestError(
-                    f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}"
-                ) from None
-            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
-    else:
-        raise BadRequestError(f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}")
-    if math.isnan(seconds):
-        raise BadRequestError(f"'keep_alive' must be a duration such as \"5m\" or a number of seconds, got {value!r}")
-    return None if seconds < 0 or math.isinf(seconds) else seconds  # "inf" keeps it, as -1 does
 
 
 def display_name(path: str) -> str:
