@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from localrun import rpc
-from localrun.errors import DecodeError, ModelLoadError
+from localrun.errors import BadRequestError, DecodeError, LocalrunError, ModelLoadError
 
 from .base import BatchEntry, KvLedger, ModelInfo, check_batch
 
@@ -51,11 +51,27 @@ REACH_TIMEOUT_S = 1.0  # per worker, when finding which one is gone
 # that asks for more rows sends them through the pipe instead.
 SHARED_ROWS_PER_SEQ = 33
 SHARED_ROWS_BYTES = 32 << 20
+# Tokenizing runs in the child, on the side pipe, one text at a time (~1.6 MB/s: 7.5 MB
+# took 4.7 s on SmolLM2's vocabulary), so every tokenize of the model waits for the one
+# before it. A text is refused beyond TOKENIZE_MAX_BYTES (the server's default body limit:
+# no request under it holds a longer text; ~5 s of tokenizing), and a tokenize or
+# token_text call that gives no answer within TOKENIZE_TIMEOUT_S (or the call timeout, if
+# shorter) fails its own request only: tokenizing never touches a worker, so a slow one
+# says nothing about them, and the child and its model stay.
+TOKENIZE_MAX_BYTES = 8 << 20
+TOKENIZE_TIMEOUT_S = 30.0
 
 
 class WorkerLostError(DecodeError):
     """The process hosting an RPC-split model died or stopped answering: a worker is gone
     (or hangs). The answer in flight ends; the model loads again on the next request."""
+
+    http_status = 503
+
+
+class SideCallTimeoutError(LocalrunError):
+    """A tokenize (or token_text) call in the model's child process took too long; the
+    request that asked fails, the model and its workers are untouched."""
 
     http_status = 503
 
@@ -166,6 +182,7 @@ class RemoteBackend:
         self.lost: str | None = None  # why the child is gone, once it is
         self._main_lock = threading.Lock()  # one call at a time per pipe
         self._side_lock = threading.Lock()
+        self._side_owed = 0  # answers of side calls given up on, still to come (read and dropped)
         self._state_lock = threading.Lock()
         self._rows = np.empty((0, 0), np.float32)
         ctx = mp.get_context("spawn")  # a fresh interpreter: this one may run threads and llama.cpp
@@ -237,9 +254,48 @@ class RemoteBackend:
         raise WorkerLostError(self.lost)
 
     def _call(self, op: str, *args, side: bool = False):
-        conn, lock = (self._side, self._side_lock) if side else (self._main, self._main_lock)
-        with lock:
-            return self._call_locked(conn, op, args)
+        if side:
+            return self._side_call(op, args)
+        with self._main_lock:
+            return self._call_locked(self._main, op, args)
+
+    def _side_call(self, op: str, args, what: str = ""):
+        """A tokenize or token_text call, bounded by its own timeout: past it, this call
+        fails (SideCallTimeoutError) and the pipe stays in step by dropping its late answer
+        before the next call; only a child that died is given up on."""
+        timeout = TOKENIZE_TIMEOUT_S if self.call_timeout is None else min(self.call_timeout, TOKENIZE_TIMEOUT_S)
+        what = what or op
+        with self._side_lock:
+            if self.lost is not None:
+                raise WorkerLostError(self.lost)
+            while self._side_owed:  # a late answer of a call given up on comes first
+                self._side_answer(timeout, f"an earlier {op} that took over {timeout:g} s", late=True)
+                self._side_owed -= 1
+            try:
+                self._side.send((op, args))
+            except (OSError, ValueError):  # a broken pipe: the child is gone
+                self._give_up(self._exit_cause(f"during {op}"))
+            status, value = self._side_answer(timeout, what)
+        if status == "raise":
+            raise value
+        return value
+
+    def _side_answer(self, timeout: float, what: str, late: bool = False):
+        ready = wait_ready([self._side, self._proc.sentinel], timeout)
+        if self._side in ready:
+            try:
+                return self._side.recv()
+            except (EOFError, OSError):
+                pass  # the child closed the pipe mid-answer: it is gone
+        elif not ready:
+            if not late:
+                self._side_owed += 1
+            message = (f"the model's process is still busy with {what}; retry the request" if late
+                       else f"{what} took over {timeout:g} s in the model's process; the model stays loaded")
+            _log.warning("%s: %s (tokenizing runs in the model's child process; its RPC workers are not involved)",
+                         Path(self.info.path).name, message)
+            raise SideCallTimeoutError(message)
+        self._give_up(self._exit_cause(f"during {what}"))
 
     def _call_locked(self, conn, op: str, args):
         if self.lost is not None:
@@ -264,7 +320,11 @@ class RemoteBackend:
     # -- tokens (the vocabulary was copied at load) -------------------------------------
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
-        return self._call("tokenize", text, add_special, parse_special, side=True)
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > TOKENIZE_MAX_BYTES:
+            raise BadRequestError(f"a text of {size:,} bytes is too long to tokenize over RPC"
+                                  f" (at most {TOKENIZE_MAX_BYTES:,} bytes, TOKENIZE_MAX_BYTES)")
+        return self._side_call("tokenize", (text, add_special, parse_special), f"tokenizing a text of {size:,} bytes")
 
     def _check_token(self, token: int) -> int:
         if not 0 <= token < self.n_vocab:

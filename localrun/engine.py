@@ -14,6 +14,7 @@ call.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from localrun.backends.base import DEFAULT_N_BATCH, Backend, BatchEntry, DecodeI
 from . import chat_template as chat_template_module
 from . import drift_cache, slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
-from .generation import Completion, Event, Generation, Timings
+from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar import GrammarMatcher, build_tokenizer
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
@@ -37,7 +38,9 @@ from .textstream import StopMatcher
 from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
 from .tools.model import ModelTools
 
-__all__ = ["Completion", "Engine", "Event", "Generation", "Timings"]
+__all__ = ["Completion", "Engine", "Event", "Generation", "GenerationFailed", "Timings"]
+
+log = logging.getLogger("localrun.engine")
 
 
 def _exact_greedy(g: Generation) -> bool:
@@ -293,16 +296,31 @@ class Engine:
         events: dict[int, Event] = {}
         for f, r in zip(feeds, rows):
             g = f.gen
-            if not f.entry.n_logits:  # a prompt chunk, or the whole prompt for max_tokens 0
-                g.fed(len(f.entry.tokens))
-                if not g.max_tokens and not g.pending:
-                    g.prompt_read(now)
-                    events[g.seq] = self._finish(g, "length")
+            try:
+                if not f.entry.n_logits:  # a prompt chunk, or the whole prompt for max_tokens 0
+                    g.fed(len(f.entry.tokens))
+                    if not g.max_tokens and not g.pending:
+                        g.prompt_read(now)
+                        events[g.seq] = self._finish(g, "length")
+                    continue
+                ev = self._speculative_step(g, f.draft, r, now) if f.draft else self._plain_step(g, f.entry, r, now)
+            except Exception as exc:  # its own grammar, sampler or stop strings: it ends alone
+                self._fail(g, exc)
                 continue
-            ev = self._speculative_step(g, f.draft, r, now) if f.draft else self._plain_step(g, f.entry, r, now)
             if ev is not None:
                 events[g.seq] = ev
         return events
+
+    def _fail(self, g: Generation, exc: Exception) -> None:
+        """End g because its own work in a step raised `exc` (llguidance's parser hit a
+        limit after its mask allowed the token, a sampler bug): g.error says what failed,
+        its slot is free again, and the step's other generations are untouched. Its slot's
+        KV holds only tokens the backend really decoded there, so a later prompt may still
+        reuse its prefix."""
+        g.failed(step_failure(exc, len(g.output), g.calls is not None))
+        if g.error.http_status >= 500:  # a bug: the traceback is for the log only
+            log.error("a generation failed in its %s", failed_stage(exc), exc_info=exc)
+        self.release(g)
 
     def _plan(self, live: list[Generation], budget: int | None) -> list[_Feed]:
         """What each generation feeds this step, within the token budget."""
@@ -311,7 +329,11 @@ class Engine:
         for g in live:
             if budget <= 0:
                 break
-            draft = self._draft(g, budget - 1) if g.decoding and g.max_tokens else []
+            try:
+                draft = self._draft(g, budget - 1) if g.decoding and g.max_tokens else []
+            except Exception as exc:  # its prompt-lookup draft: it ends alone, not in the step
+                self._fail(g, exc)
+                continue
             pending = g.pending
             if not g.decoding and g.max_tokens:
                 # The prompt's last token is read alone, as it is when a cached prefix covers
@@ -514,6 +536,8 @@ class Engine:
                 return
             while not gen.done:
                 ev = self.step([gen]).get(gen.seq)
+                if gen.error is not None:  # its own work failed in the step: the caller gets why
+                    raise gen.error
                 if ev is not None:
                     yield ev
         finally:

@@ -19,10 +19,6 @@ try:
 except ImportError:  # pragma: no cover - grammar.py reports the missing install
     GbnfToLarkError = GrammarParser = RuleRefNode = resolve = None
 
-# Every spec opts out of llguidance's "forcing" (see grammar.py: it has no work bound).
-NO_FORCING = '%llguidance {"no_forcing": true}\n'
-
-
 def line_col(text: str, offset: int) -> tuple[int, int]:
     line = text.count("\n", 0, offset) + 1
     return line, offset - (text.rfind("\n", 0, offset) + 1) + 1
@@ -163,9 +159,11 @@ def gbnf_to_lark_text(text: str) -> str:
         line, col = line_col(exc.pos.text, exc.pos.pos)
         what = str(exc)[: -len(f" at {exc.pos}")] or str(exc)
         if exc.pos.current() in ("<", "!"):
-            what = ("token references (<...>, !<...>) are not supported in GBNF here;"
-                    " write the grammar in Lark syntax (first line: %llguidance {}), where"
-                    " <|name|>, <[id]> and <[^id]> work")
+            raise BadRequestError(
+                f"bad GBNF grammar at line {line}, column {col}: token references (<...>, !<...>) are not"
+                " supported in GBNF here; write the grammar in Lark syntax (first line: %llguidance {}),"
+                " where <|name|>, <[id]> and <[^id]> work"
+            ) from None
         raise BadRequestError(f"bad GBNF grammar at line {line}, column {col}: {what}") from None
     except RecursionError:  # the converter descends once per nested group
         raise BadRequestError("bad GBNF grammar: groups nested too deeply; use fewer levels of parentheses") from None
@@ -183,4 +181,5 @@ def gbnf_to_lark_text(text: str) -> str:
         raise BadRequestError(f"bad GBNF grammar: {msg}") from None
     # rules in source order (`resolve` numbered them so); a multi-line rule stands apart
     texts = [str(r) for r in sorted(rules.values(), key=lambda r: r.order)]
-    return NO_FORCING + "\n" + "\n".join(t + "\n" if "\n" in t else t for t in texts) + "\n"
+    # no %llguidance line: grammar.lark_spec adds localrun's options to every grammar
+    return "\n".join(t + "\n" if "\n" in t else t for t in texts) + "\n"

@@ -6,14 +6,74 @@ methods here."""
 
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from .errors import LocalrunError
 from .grammar import GrammarMatcher
 from .sampling import Sampler
 from .speculative import DraftController
 from .textstream import StopMatcher, Utf8Stream
 from .tools import ToolCall, ToolCallDelta
 from .tools.model import CallOutput
+
+
+class GenerationFailed(LocalrunError):
+    """One generation's own work in a step (its grammar, sampler, stop strings, tool-call
+    parsing, prompt-lookup draft) failed: that generation ends with this error, and the
+    other generations of the step go on. 400 when the request's grammar is at fault
+    (llguidance's parser hit one of its limits), else 500 (a bug, logged)."""
+
+    http_status = 500
+
+
+# The part of a generation each localrun module is, named in the error of a failure
+# whose innermost localrun frame lies there. Read off the traceback so that no per-token
+# call needs its own try block, and a new call site into the same module is named alike.
+_STAGES = {
+    "grammar": "grammar",
+    "sampling": "sampler",
+    "textstream": "stop strings",
+    "tools": "tool-call parsing",
+    "speculative": "prompt lookup",
+    "lookup_edits": "prompt lookup",
+}
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def failed_stage(exc: BaseException) -> str:
+    """Which part of a generation raised `exc`: "grammar", "sampler", ... or "step"."""
+    stage = "step"
+    for frame in traceback.extract_tb(exc.__traceback__):  # outermost first: the innermost decides
+        try:
+            first = Path(frame.filename).resolve().relative_to(_PACKAGE).parts[0]
+        except ValueError:  # a frame outside localrun (llguidance, numpy) says nothing
+            continue
+        stage = _STAGES.get(first.removesuffix(".py"), "step")
+    return stage
+
+
+def step_failure(exc: BaseException, n_output: int, tool_calls: bool) -> GenerationFailed:
+    """The one-line error that ends a generation whose own work raised `exc`."""
+    stage = failed_stage(exc)
+    detail = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    if stage == "grammar":
+        # llguidance's text: "token 81 is not allowed by the grammar: Parser Error: Current
+        # row has 2073 items; max is 2000; consider ..." -> what the parser said
+        detail = detail.split("Parser Error: ", 1)[-1]
+        what = "the tool-call grammar" if tool_calls else "the grammar"
+        err = GenerationFailed(
+            f"{what}'s parser hit its limit ({detail}) after {n_output} generated tokens: simplify the grammar"
+            " (ambiguous or deeply nested rules)"
+        )
+        err.http_status = 400
+        return err
+    if isinstance(exc, LocalrunError):  # already one clear line (a KV cut that failed, ...)
+        err = GenerationFailed(str(exc))
+        err.http_status = exc.http_status
+        return err
+    return GenerationFailed(f"generation failed: internal error in this request's {stage} (see the server log)")
 
 
 @dataclass
@@ -105,6 +165,8 @@ class Generation:
     calls: CallOutput | None = None  # with tools: splits the text into content and calls
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
+    # why it ended early when its own work failed in a step (finish_reason is then "error")
+    error: GenerationFailed | None = None
     # the next step feeds the pending token alone: a greedy token that a wide step could
     # not decide exactly (see speculative.BatchDrift)
     plain_next: bool = False
@@ -196,6 +258,11 @@ class Generation:
         t.accepted += accepted
         if self.lookup is not None:
             self.lookup.record(judged, accepted)
+
+    def failed(self, error: GenerationFailed) -> None:
+        """Its own work failed in a step: it ends here, with `error` for its client."""
+        self.error = error
+        self.finish_reason = "error"
 
     def ended(self, reason: str) -> None:
         if reason == "stop" and self.calls is not None and self.calls.made_calls and self.stops.matched is None:

@@ -21,6 +21,13 @@ Bounded work, since a grammar comes from a request: sources are size-capped (MAX
 below) before any parsing; the GBNF pre-processing here is linear; llguidance compiles
 under its limits (LEXER_FUEL ...) on a compile thread with a deep stack, tries the first
 steps on a byte vocabulary while validating, and never walks ahead through fixed text.
+
+One constructor: every grammar text localrun hands llguidance is made by `lark_spec`
+(request GBNF, Lark, JSON schemas, regexes, json_object, the tool-call grammar, and
+whatever a server dialect builds through these classmethods), which sets llguidance's
+options (LLG_OPTIONS) after the request's text so a request can never set them; JSON
+layouts (bounded whitespace) are set the same way by `json_schema_layout`.
+tests/test_grammar_options.py scans the source tree for any other builder.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .errors import BadRequestError
-from .gbnf import NO_FORCING, gbnf_to_lark_text, place_in_gbnf
+from .gbnf import gbnf_to_lark_text, place_in_gbnf
 
 try:
     import llguidance as _llg
@@ -64,7 +71,7 @@ MAX_SCHEMA_DEPTH = 100  # nested JSON objects/arrays in a schema (llguidance's p
 
 # llguidance's own budget (LLParserLimits; its unit of lexer work is "fuel"). The lexer
 # is built lazily, at the first mask: validation builds it once on a byte vocabulary, so a
-# grammar over LEXER_FUEL is refused then. With forcing off (NO_FORCING below) nested
+# grammar over LEXER_FUEL is refused then. With forcing off (LLG_OPTIONS below) nested
 # repeats such as `a{1000}{1000}` cost ~0.1 ms a mask; the largest enum the size caps admit
 # (20,000 entries, 250 KiB) validates in ~0.2 s at LEXER_FUEL.
 LEXER_FUEL = 1_000_000  # building the lexer (~50k/ms): llguidance's default
@@ -86,8 +93,100 @@ COMPILE_THREADS = 2
 # with `R: /[a]{10000}/` (35 bytes) walks 10^8 bytes per mask, 2.9 s and 1.6 GB, on the
 # decode thread. Every grammar here turns it off: each tokenization of fixed text is then
 # allowed, as in llama.cpp's own grammar sampler, and as `GrammarMatcher.allows` (the
-# engine's fast path, which never tokenizes forced text) accepted already. (NO_FORCING,
-# in gbnf.py, is the line each spec starts with.)
+# engine's fast path, which never tokenizes forced text) accepted already. It is one of
+# LLG_OPTIONS, which `lark_spec` sets on every grammar.
+
+# Compiling for a model's tokenizer (and its first mask) runs in `request.prepare`, off
+# the scheduler thread; a compile still running after this long (measured from when it
+# starts on a compile thread) answers its request with a 400 naming the field. The
+# limits above bound it already (the slowest legal compile measured ~0.3 s, a 256 KiB
+# enum on a 262k vocabulary); this is the backstop for what they do not count.
+COMPILE_BUDGET_S = 5.0
+
+
+# -- llguidance's options: localrun's, never a request's --------------------------------
+
+# A Lark grammar's `%llguidance {...}` lines set these; llguidance merges the lines in
+# order, the last value of each key winning. `lark_spec` puts this line after all of a
+# request's text, so it is always the last word; a request's own options line may only
+# repeat these values (`%llguidance {}`, llama.cpp's "this is Lark" mark, is the usual
+# one), else it is refused: `{"no_forcing": false}` turned the unbounded walk back on
+# (a 58-byte grammar froze a server for ~100 s and took 13 GiB).
+#   no_forcing: see above.
+#   allow_invalid_utf8: false keeps every answer valid UTF-8 (true lets a grammar's
+#     terminals match any bytes).
+LLG_OPTIONS = {"no_forcing": True, "allow_invalid_utf8": False}
+_OPTIONS_LINE = "%llguidance " + json.dumps(LLG_OPTIONS) + "\n"
+_OPTIONS_MENTION = re.compile(r"%llguidance", re.I)
+_JSON_SPACE = re.compile(r"\s*")
+_MAX_OPTIONS_MENTIONS = 16  # a grammar needs at most one options line
+
+
+def lark_spec(text: str, *, from_request: bool = True) -> str:
+    """llguidance's grammar text for the Lark grammar `text`, with localrun's options: the
+    one constructor every grammar localrun compiles goes through (tests/test_grammar_options.py
+    fails on any other). `from_request`: `text` holds a request's Lark as written, whose
+    `%llguidance` lines are checked (GBNF converted here, JSON and regexes spliced into
+    localrun's own rules cannot hold a statement, and their strings may spell anything).
+    The options line goes last, so line numbers in llguidance's errors are the text's own."""
+    if from_request:
+        _check_request_options(text)
+    return _need_llg().LLMatcher.grammar_from_lark(f"{text}\n{_OPTIONS_LINE}")
+
+
+def _check_request_options(text: str) -> None:
+    """A BadRequestError for an `%llguidance {...}` in a request's Lark that sets anything
+    other than LLG_OPTIONS' own values. Every mention is read, wherever it stands (a
+    statement inside a nested `%lark {...}` block applies to that block, where the line
+    `lark_spec` appends does not reach); one inside a string or comment that spells an
+    options object is refused too, which costs nothing real. Text after a mention that is
+    not a JSON object cannot be an options statement llguidance accepts."""
+    decoder = json.JSONDecoder(object_pairs_hook=list)
+    for n, m in enumerate(_OPTIONS_MENTION.finditer(text)):
+        if n == _MAX_OPTIONS_MENTIONS:  # each is read to the end of its JSON: keep that work linear
+            raise BadRequestError(f"bad Lark grammar: it mentions %llguidance over {_MAX_OPTIONS_MENTIONS} times")
+        at = _JSON_SPACE.match(text, m.end()).end()
+        if not text.startswith("{", at):
+            continue
+        try:
+            pairs, _ = decoder.raw_decode(text, at)
+        except (json.JSONDecodeError, RecursionError):  # not an options object llguidance reads either
+            continue
+        bad = [(k, v) for k, v in pairs if not (k in LLG_OPTIONS and v is LLG_OPTIONS[k])]
+        if bad:
+            line = text.count("\n", 0, m.start()) + 1
+            shown = json.dumps(dict(bad))
+            raise BadRequestError(
+                f"bad Lark grammar at line {line}: %llguidance may not set {shown[:80]}; localrun sets llguidance's"
+                f" options itself ({json.dumps(LLG_OPTIONS)}): write %llguidance {{}} or leave the line out"
+            )
+
+
+# JSON output may put, between any two of its tokens, at most one newline and then up to
+# 20 spaces or tabs: compact `{"a":1}` and pretty-printed output indented up to 20
+# columns fit, as in llama.cpp's schema grammars (`space ::= | " " | "\n" [ \t]{0,20}`);
+# runs of newlines do not (llguidance's default takes any whitespace, and a sampled
+# answer could wander into blank lines until max_tokens cut it as invalid JSON).
+# llguidance matches the pattern at most once at each place whitespace may stand.
+JSON_WHITESPACE = r"[\n]?[ \t]{0,20}"
+BOUNDED_JSON_LAYOUT = {"whitespace_pattern": JSON_WHITESPACE, "item_separator": ",", "key_separator": ":"}
+# a schema's own `x-guidance` keeps only these (what the JSON may say, not how it is
+# laid out); its layout keys (whitespace_flexible, whitespace_pattern, the separators,
+# which are regexes) are localrun's
+_SCHEMA_OWN_OPTIONS = ("coerce_one_of", "lenient", "json_allowed_escapes")
+
+
+def json_schema_layout(schema: dict | bool, layout: dict | None = None) -> dict | bool:
+    """`schema` with localrun's JSON options (llguidance reads them from the top-level
+    `x-guidance` key): `layout` (BOUNDED_JSON_LAYOUT when None: bounded whitespace) replaces any
+    layout the schema sets. `True` becomes `{}` so that it can carry them; `False` matches
+    nothing and has no layout."""
+    if schema is False:
+        return schema
+    schema = {} if schema is True else schema
+    own = schema.get("x-guidance")
+    options = {k: own[k] for k in _SCHEMA_OWN_OPTIONS if k in own} if isinstance(own, dict) else {}
+    return {**schema, "x-guidance": {**options, **(BOUNDED_JSON_LAYOUT if layout is None else layout)}}
 
 
 # -- tokenizer ------------------------------------------------------------------------
@@ -169,12 +268,21 @@ def _limits():
     )
 
 
-def _on_compile_thread(fn: Callable, *args):
+def _on_compile_thread(fn: Callable, *args, budget_s: float | None = None):
     """fn(*args) on a thread with a COMPILE_STACK_BYTES stack; its result or its exception.
-    The caller blocks meanwhile (llguidance releases the GIL while it compiles)."""
+    The caller blocks meanwhile (llguidance releases the GIL while it compiles). With
+    `budget_s`, a BadRequestError once fn has run that long (counted from when it starts,
+    not from a wait in the pool's queue); fn runs on to its end, within llguidance's
+    limits, and its result is dropped."""
     global _pool
     if threading.current_thread().name.startswith("grammar-compile"):
         return fn(*args)
+    started = threading.Event()
+
+    def run():
+        started.set()
+        return fn(*args)
+
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
@@ -182,10 +290,18 @@ def _on_compile_thread(fn: Callable, *args):
         # starts its threads inside submit(): set it only around that call
         before = threading.stack_size(COMPILE_STACK_BYTES)
         try:
-            future = _pool.submit(fn, *args)
+            future = _pool.submit(run)
         finally:
             threading.stack_size(before)
-    return future.result()
+    if budget_s is None:
+        return future.result()
+    started.wait()
+    try:
+        return future.result(timeout=budget_s)
+    except TimeoutError:
+        raise BadRequestError(
+            f"the grammar took over {budget_s:g} s to compile for this model (COMPILE_BUDGET_S): simplify it"
+        ) from None
 
 
 class _ByteVocab:
@@ -297,11 +413,20 @@ def _check_schema_shape(schema: Any) -> None:
             stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
-def _compile_matcher(spec: str, tokenizer):
+def _compile_matcher(spec: str, tokenizer) -> tuple[Any, np.ndarray | None]:
+    """The start state for `tokenizer` and its mask (bool [n_vocab], read-only), built
+    here so that no decode step builds the lexer or the first mask; no mask on an error."""
     m = _llg.LLMatcher(tokenizer, spec, log_level=0, limits=_limits())
-    if not m.is_error():
-        m.compute_bitmask()  # the lexer and first mask are built here, not on a decode step
-    return m
+    if m.is_error():
+        return m, None
+    n_vocab = int(tokenizer.vocab_size)
+    words = np.empty((n_vocab + 31) // 32, np.int32)
+    m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    if m.is_error():
+        return m, None
+    mask = np.unpackbits(words.view(np.uint8), bitorder="little", count=n_vocab).view(np.bool_)
+    mask.flags.writeable = False  # shared by every matcher of this grammar
+    return m, mask
 
 
 @dataclass(frozen=True)
@@ -315,8 +440,14 @@ class Grammar:
     kind: str
     source: str
     spec: str
-    # id(tokenizer) -> (tokenizer, matcher compiled for it in its start state); see compile()
+    # id(tokenizer) -> (tokenizer, matcher compiled for it in its start state, that state's
+    # mask); see compile()
     _compiled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # a spec made anywhere but lark_spec would run without localrun's options
+        if not (isinstance(self.spec, str) and self.spec.endswith(_OPTIONS_LINE)):
+            raise ValueError("a Grammar's spec must be made by localrun.grammar.lark_spec (it sets llguidance's options)")
 
     @classmethod
     def from_gbnf(cls, text: str) -> "Grammar":
@@ -325,9 +456,8 @@ class Grammar:
         _check_size(text, MAX_GRAMMAR_BYTES, "grammar", "MAX_GRAMMAR_BYTES")
         if re.match(r"\s*%llguidance\b", text):
             return cls.from_lark(text)
-        llg = _need_llg()
         lark = gbnf_to_lark_text(text)
-        spec = llg.LLMatcher.grammar_from_lark(lark)  # the same text, when valid
+        spec = lark_spec(lark, from_request=False)  # the converter writes no %llguidance line
         err = _on_compile_thread(_compile_error, spec, True)
         if err:
             line, col, what = _lark_error(err)
@@ -338,20 +468,22 @@ class Grammar:
     def from_lark(cls, text: str) -> "Grammar":
         """llguidance's Lark dialect (start rule `start`; `<|name|>` / `<[id]>` tokens).
         A grammar that names tokens skips the byte-vocabulary probe (the probe has none
-        of a model's tokens); its lexer's budget is then met when a matcher is built."""
+        of a model's tokens); its lexer's budget is then met when a matcher is built.
+        Its `%llguidance` lines may only say `{}` (see LLG_OPTIONS)."""
         _check_size(text, MAX_GRAMMAR_BYTES, "grammar", "MAX_GRAMMAR_BYTES")
-        spec = _need_llg().LLMatcher.grammar_from_lark(NO_FORCING + text)
+        spec = lark_spec(text)
         err = _on_compile_thread(_compile_error, spec, _TOKEN_REF.search(text) is None)
         if err:
             line, col, what = _lark_error(err)
-            where = f" at line {line - 1}, column {col}" if line > 1 else ""  # less NO_FORCING
+            where = f" at line {line}, column {col}" if line else ""  # the spec's lines are the text's
             raise BadRequestError(f"bad Lark grammar{where}: {what}{_budget_hint(err)}")
         return cls("lark", text, spec)
 
     @classmethod
-    def from_json_schema(cls, schema: dict | str | bool) -> "Grammar":
-        """JSON matching the schema (`True` or `{}`: any JSON value)."""
-        llg = _need_llg()
+    def from_json_schema(cls, schema: dict | str | bool, *, layout: dict | None = None) -> "Grammar":
+        """JSON matching the schema (`True` or `{}`: any JSON value), laid out as `layout`
+        says (llguidance's x-guidance keys; None: BOUNDED_JSON_LAYOUT, bounded whitespace), which
+        replaces any layout in the schema's own `x-guidance`."""
         if isinstance(schema, str):
             _check_size(schema, MAX_SCHEMA_BYTES, "JSON schema", "MAX_SCHEMA_BYTES")
             try:
@@ -367,7 +499,8 @@ class Grammar:
         _check_schema_shape(schema)
         text = json.dumps(schema)
         _check_size(text, MAX_SCHEMA_BYTES, "JSON schema", "MAX_SCHEMA_BYTES")
-        spec = llg.LLMatcher.grammar_from_lark(f"{NO_FORCING}start: %json {text}")
+        # JSON text cannot hold a Lark statement: its strings stay inside `%json {...}`
+        spec = lark_spec(f"start: %json {json.dumps(json_schema_layout(schema, layout))}", from_request=False)
         err = _on_compile_thread(_compile_error, spec, True)
         if err:
             detail = _regex_detail(err)
@@ -380,8 +513,9 @@ class Grammar:
         """Output that fully matches the pattern (Rust regex syntax; \\d means [0-9])."""
         _check_size(pattern, MAX_REGEX_BYTES, "regex", "MAX_REGEX_BYTES")
         llg = _need_llg()
-        # keep \d \w \s ASCII, as users of JSON-schema style patterns expect
-        spec = llg.LLMatcher.grammar_from_lark(f"{NO_FORCING}start: /{llg.regex_to_lark(pattern, 'dws')}/")
+        # keep \d \w \s ASCII, as users of JSON-schema style patterns expect; regex_to_lark
+        # escapes "/" and newlines, so the pattern stays inside its /.../
+        spec = lark_spec(f"start: /{llg.regex_to_lark(pattern, 'dws')}/", from_request=False)
         err = _on_compile_thread(_compile_error, spec, True)
         if err:
             shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
@@ -393,18 +527,20 @@ class Grammar:
         """Any JSON object: OpenAI `response_format: {type: json_object}`, Ollama `format: "json"`."""
         return cls.from_json_schema({"type": "object"})
 
-    def compile(self, tokenizer) -> None:
-        """Compile for this tokenizer now (bounded by the limits above, on a compile
-        thread), so that `GrammarMatcher(self, tokenizer)` then costs a copy. Call it where
-        blocking is fine, such as preparing a request; else the first matcher compiles."""
-        self._start_state(tokenizer)
+    def compile(self, tokenizer, budget_s: float | None = None) -> None:
+        """Compile for this tokenizer now, with the first mask (bounded by the limits above,
+        on a compile thread; with `budget_s`, a BadRequestError past that many seconds), so
+        that `GrammarMatcher(self, tokenizer)` then costs a copy. `request.prepare` calls
+        it off the scheduler thread; without it, the first matcher compiles."""
+        self._start_state(tokenizer, budget_s)
 
-    def _start_state(self, tokenizer):
+    def _start_state(self, tokenizer, budget_s: float | None = None):
+        """(start matcher, its mask or None) for `tokenizer`, compiled once."""
         hit = self._compiled.get(id(tokenizer))
         if hit is None or hit[0] is not tokenizer:  # an id can be reused by a new object
-            hit = (tokenizer, _on_compile_thread(_compile_matcher, self.spec, tokenizer))
+            hit = (tokenizer, *_on_compile_thread(_compile_matcher, self.spec, tokenizer, budget_s=budget_s))
             self._compiled[id(tokenizer)] = hit
-        return hit[1]
+        return hit[1], hit[2]
 
 
 # -- matcher --------------------------------------------------------------------------
@@ -419,21 +555,22 @@ class GrammarMatcher:
     says how much of a draft the grammar allows, `draft_masks(draft)` gives the mask
     of every verify row, and `rollback(n)` / `snapshot()` + `restore()` undo tokens.
 
-    Making one copies the grammar's compiled start state (~0.1 ms; `Grammar.compile`).
-    Without it, the first matcher of a grammar compiles it, blocking the caller for up to
-    the LEXER_FUEL budget (~0.25 s worst measured; most grammars take 1-10 ms).
+    Making one copies the grammar's compiled start state and its first mask (~0.1 ms;
+    `Grammar.compile`, which `request.prepare` runs off the scheduler thread). Without it,
+    the first matcher of a grammar compiles it, blocking the caller for up to the
+    LEXER_FUEL budget (~0.25 s worst measured; most grammars take 1-10 ms).
     """
 
     def __init__(self, grammar: Grammar, tokenizer) -> None:
         _need_llg()
         self.n_vocab = int(tokenizer.vocab_size)
-        start = grammar._start_state(tokenizer)
+        start, mask = grammar._start_state(tokenizer)
         if start.is_error():  # e.g. a `<|name|>` this vocabulary has no token for
             err = start.get_error()
             raise BadRequestError(f"the grammar does not compile for this model: {_first_line(err)}{_budget_hint(err)}")
         self._m = start.deep_copy()
         self._words = np.empty((1, (self.n_vocab + 31) // 32), np.int32)
-        self._mask: np.ndarray | None = None  # cached for the current state
+        self._mask: np.ndarray | None = mask  # cached for the current state (the start's, read-only, shared)
 
     def allowed_mask(self) -> np.ndarray:
         """Bool array [n_vocab]: True where the token may come next. Do not modify it."""

@@ -9,10 +9,11 @@ Two steps, because they run in different places on a server. A `GenerationReques
 checked when it is made, so a bad field is a 400 before any model is touched.
 `prepare(engine, request)` does the work that needs the model and grows with the
 request's size or the vocabulary (text logit-bias keys tokenized, logit-bias ids checked
-against the vocabulary, DRY's sequence breakers resolved, the grammar's tokenizer built)
-in a worker thread, so the scheduler thread, which every stream of a model shares, only
-finds cache hits. `Engine.start` prepares a request itself when its caller has not; on
-a prepared request that costs a few dictionary look-ups.
+against the vocabulary, DRY's sequence breakers resolved, the grammar's tokenizer built,
+every grammar compiled for it with its first mask) in a worker thread, so the scheduler
+thread, which every stream of a model shares, only finds cache hits. `Engine.start`
+prepares a request itself when its caller has not; on a prepared request that costs a
+few dictionary look-ups.
 
 Bounds, each a `BadRequestError` whose message starts with the field's name:
 
@@ -65,6 +66,12 @@ Tool calls (issue 15): `tools` (Tool objects, or OpenAI's list, parsed by
 to `grammar`, as the constraint they compile to, so they cannot be combined with one.
 `prepare` builds the call grammar (cached per model and tool set) and compiles it for the
 model's tokenizer, so a tool set the model cannot take fails before any answer starts.
+
+Grammar compiles (issue 49): `prepare` compiles every grammar (GBNF, Lark, JSON schema,
+regex, the call grammar) for the model's tokenizer and builds its first mask, within
+llguidance's limits and `COMPILE_BUDGET_S` = 5 s (localrun.grammar) of compile time; a
+compile past either is a 400 naming the field ('grammar', 'json_schema', 'regex' or
+'tools'). Engine.start then copies the ready start state.
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import BadRequestError
-from .grammar import Grammar, GrammarMatcher, build_tokenizer
+from .grammar import COMPILE_BUDGET_S, Grammar, GrammarMatcher, build_tokenizer
 from .sampling import SamplingParams
 from .sampling.declare import MAX_N_PROBS
 from .speculative import LookupConfig
@@ -95,6 +102,10 @@ MAX_FIELD_NAME_CHARS = 256
 MAX_INPUT_EXTRA = 256
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOP_LOGPROBS = MAX_N_PROBS  # the sampler's own cap on n_probs, checked under each dialect's name
+
+# the field a grammar of each kind came from, as far as prepare() knows it (a server's
+# dialect names its own field, e.g. response_format, when it compiles the source)
+_GRAMMAR_FIELD = {"gbnf": "grammar", "lark": "grammar", "json_schema": "json_schema", "regex": "regex"}
 
 
 @dataclass(frozen=True)
@@ -224,9 +235,16 @@ def prepare(engine, request: GenerationRequest) -> GenerationRequest:
         if info.eos_id is None and not info.stop_ids:
             raise BadRequestError("this model has no end-of-sequence token, so it cannot follow a grammar")
         tokenizer = build_tokenizer(engine.backend)  # built once per model (seconds on a large vocabulary)
-        if request.tools:
-            grammar.compile(tokenizer)  # on the compile thread, within the limits; cached
-            GrammarMatcher(grammar, tokenizer)  # a tool set over the limits fails here, as a 400
+        where = "tools" if request.tools else _GRAMMAR_FIELD.get(grammar.kind, "grammar")
+        try:
+            # every grammar, the request's own and the tools' call grammar, is compiled for
+            # the tokenizer here with its first mask (on the compile thread, within
+            # llguidance's limits and COMPILE_BUDGET_S; cached on the Grammar), so that
+            # Engine.start on the scheduler thread only copies a ready start state
+            grammar.compile(tokenizer, budget_s=COMPILE_BUDGET_S)
+            GrammarMatcher(grammar, tokenizer)  # a compile error (over a limit, a token this vocabulary lacks) is a 400 here
+        except BadRequestError as exc:
+            raise BadRequestError(f"'{where}': {exc}") from None
     return request if sampling is request.sampling else dataclasses.replace(request, sampling=sampling)
 
 

@@ -1,10 +1,10 @@
 """One request must never freeze, crash or starve the server.
 
 Each hostile request runs against a real `localrun serve` process WHILE a victim client
-streams a greedy answer from the same model: the attack gets its 4xx within a few
-seconds, `/health` answers within a second throughout, and the victim's text equals its
-text without the attack. Then SIGTERM in the middle of an attack ends the server within
-5 seconds.
+streams a greedy answer from the same model: the attack gets its 4xx (or a bounded
+answer) within a few seconds, `/health` answers within a second throughout, the victim's
+text equals its text without the attack, and the server's memory grows by less than
+1 GiB. Then SIGTERM in the middle of an attack ends the server within 5 seconds.
 """
 
 from __future__ import annotations
@@ -16,16 +16,21 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 from serving import Server, make_template_copy
 
 MODEL = "smollm2-135m-instruct-q4_1"
+QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m"  # a template with tools, for the tool-schema attacks
 BOMB = "template-bomb"
 ATTACK_WAIT_S = 10.0  # generous for a loaded 2-core CI machine; the bug took minutes
 HEALTH_WAIT_S = 1.0
+MEMORY_GROWTH_BYTES = 1 << 30  # issue 49's attacks grew the server by 5.8-13.6 GiB
 VICTIM = {"prompt": "Write a long story about a lighthouse keeper and the sea.", "n_predict": 160,
           "temperature": 0, "ignore_eos": True, "stream": True, "lookup": False}
+# the victim on Qwen, shorter: it decodes ~4x slower than SmolLM2 on one thread
+QWEN_VICTIM = dict(VICTIM, model=QWEN, n_predict=48)
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +41,16 @@ def bomb_model(smollm2_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, bomb_model):
-    srv = Server("--model", str(smollm2_gguf), "--model", str(bomb_model), "--ctx", "1024", "--parallel", "2",
-                 "--threads", "1")
+def server(smollm2_gguf, bomb_model, qwen_coder_gguf):
+    srv = Server("--model", str(smollm2_gguf), "--model", str(bomb_model), "--model", str(qwen_coder_gguf),
+                 "--ctx", "1024", "--parallel", "2", "--threads", "1")
     yield srv
     srv.stop()
 
 
-def stream_victim(url: str, out: dict, started: threading.Event) -> None:
+def stream_victim(url: str, out: dict, started: threading.Event, victim: dict = VICTIM) -> None:
     parts = []
-    with httpx.stream("POST", url + "/completion", json=VICTIM, timeout=120) as r:
+    with httpx.stream("POST", url + "/completion", json=victim, timeout=120) as r:
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -68,14 +73,30 @@ def baseline(server) -> str:
     return out["text"]
 
 
-def under_attack(server, baseline: str, attack) -> httpx.Response:
-    """Run attack() while the victim streams; check the victim and /health, return the attack's response."""
+@pytest.fixture(scope="module")
+def qwen_baseline(server) -> str:
+    out: dict = {}
+    stream_victim(server.url, out, threading.Event(), QWEN_VICTIM)
+    assert "error" not in out and out["text"]
+    return out["text"]
+
+
+def rss(server) -> int:
+    """The server process's resident memory, in bytes."""
+    return psutil.Process(server.proc.pid).memory_info().rss
+
+
+def under_attack(server, baseline: str, attack, victim_body: dict = VICTIM) -> httpx.Response:
+    """Run attack() while the victim streams; check the victim, /health and the server's
+    memory (sampled with /health: its peak, not only its end), return the attack's response."""
     out: dict = {}
     started = threading.Event()
-    victim = threading.Thread(target=stream_victim, args=(server.url, out, started))
+    rss_before = rss(server)
+    victim = threading.Thread(target=stream_victim, args=(server.url, out, started, victim_body))
     victim.start()
     assert started.wait(60), "the victim never started streaming"
     health: list[float] = []
+    peak = [rss_before]
     stop_polling = threading.Event()
 
     def poll() -> None:
@@ -83,6 +104,7 @@ def under_attack(server, baseline: str, attack) -> httpx.Response:
             t0 = time.monotonic()
             httpx.get(server.url + "/health", timeout=30)
             health.append(time.monotonic() - t0)
+            peak.append(rss(server))
             time.sleep(0.05)
 
     poller = threading.Thread(target=poll)
@@ -95,8 +117,11 @@ def under_attack(server, baseline: str, attack) -> httpx.Response:
         stop_polling.set()
         poller.join()
         victim.join(120)
+    peak.append(rss(server))
     assert elapsed < ATTACK_WAIT_S, f"the attack took {elapsed:.1f} s"
     assert health and max(health) < HEALTH_WAIT_S, f"/health took up to {max(health):.2f} s"
+    growth = max(peak) - rss_before
+    assert growth < MEMORY_GROWTH_BYTES, f"the server grew by {growth / 2**20:.0f} MiB under the attack"
     assert "error" not in out, out.get("error")
     assert out["text"] == baseline, "the victim's answer changed under the attack"
     assert server.proc.poll() is None, server.output()
@@ -141,11 +166,125 @@ ATTACKS = {
 }
 
 
+# -- issue 49: the grammar engine, response sizes, cross-site requests ---------------------
+
+# A 4 KB ambiguous Lark grammar: it compiles at once and its mask allows "a", but after
+# ~44 of them llguidance's parser exceeds 2,000 items per row in consume_token. SmolLM2's
+# "a" (id 81) is pushed up so greedy decoding walks there rather than to EOS.
+AMBIGUOUS = "%llguidance {}\nstart: s0\n" + "\n".join(f's{i}: s{i} s{i + 1} | "a"' for i in range(200)) + '\ns200: "a"'
+AMBIGUOUS_BODY = {"prompt": "a a a a", "n_predict": 120, "temperature": 0, "ignore_eos": True, "lookup": False,
+                  "grammar": AMBIGUOUS, "logit_bias": [[81, 30.0]]}
+TOKENIZE_TEXT = ("The quick brown fox jumps over the lazy dog 12345. " * 150_000)[:7_500_000]
+# what an <img src=http://127.0.0.1:PORT/props> on another site sends: no Origin
+CROSS_SITE_IMG = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "image"}
+
+ATTACKS.update({
+    "an ambiguous grammar that trips llguidance's parser": post("/completion", AMBIGUOUS_BODY),
+    "/tokenize of 7.5 MB with pieces": post("/tokenize", {"content": TOKENIZE_TEXT, "with_pieces": True}),
+    "/detokenize of 1,000,000 ids": post("/detokenize", {"tokens": [81] * 1_000_000}),
+    "/api/embed of a 7.5 MB text": post("/api/embed", {"model": MODEL, "input": TOKENIZE_TEXT}),
+    "a cross-site <img> GET of /props": lambda url: httpx.get(url + "/props", headers=CROSS_SITE_IMG, timeout=60),
+    "a cross-site <form> POST of /completion": lambda url: httpx.post(
+        url + "/completion", content=json.dumps({"prompt": "hi", "n_predict": 4}),
+        headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Content-Type": "text/plain"},
+        timeout=60),
+})
+
+# Answered with a 4xx or a bounded 200: what llguidance is allowed to do is localrun's
+# (part A of issue 49: localrun's options win over a grammar's own `%llguidance` line).
+BOUNDED_ATTACKS = {
+    "a grammar that turns llguidance's forcing back on": (post("/completion", {
+        "prompt": "hi", "n_predict": 4, "grammar": '%llguidance {"no_forcing": false}\nstart: R{10000}\nR: /[a]{10000}/'}),
+        MODEL),
+    "a tool of 10,000 items matching ^a{10000}$, a call required": (post("/v1/chat/completions", {
+        "model": QWEN, "max_tokens": 8, "messages": [{"role": "user", "content": "call f"}], "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "required": ["x"], "properties": {"x": {
+                "type": "array", "minItems": 10000, "maxItems": 10000,
+                "items": {"type": "string", "pattern": "^a{10000}$"}}}}}}]}), QWEN),
+}
+
+
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_is_refused_while_a_victim_streams(server, baseline, name):
     resp = under_attack(server, baseline, ATTACKS[name])
     assert 400 <= resp.status_code < 500, (resp.status_code, resp.text[:300])
     assert "Traceback" not in resp.text
+
+
+@pytest.mark.parametrize("name", list(BOUNDED_ATTACKS))
+def test_attack_is_refused_or_answered_briefly_while_a_victim_streams(server, baseline, qwen_baseline, name):
+    attack, model = BOUNDED_ATTACKS[name]
+    resp = (under_attack(server, baseline, attack) if model == MODEL
+            else under_attack(server, qwen_baseline, attack, QWEN_VICTIM))
+    assert resp.status_code < 500 and len(resp.content) < 100_000, (resp.status_code, resp.text[:300])
+    assert "Traceback" not in resp.text
+
+
+def test_a_grammar_whose_parser_gives_up_ends_only_its_own_stream(server, baseline):
+    """The ambiguous grammar, streamed: its client gets an in-band error naming the
+    parser's limit; the victim in the same steps streams its usual text."""
+
+    def attack(url):
+        with httpx.stream("POST", url + "/completion", json=dict(AMBIGUOUS_BODY, stream=True), timeout=60) as r:
+            return r.status_code, [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+    status, messages = under_attack(server, baseline, attack)
+    errors = [m["error"] for m in messages if "error" in m]
+    if status == 200 and errors:  # refused mid-stream: the error says what, as a 400 would
+        assert errors[0]["code"] == 400 and "the grammar's parser hit its limit" in errors[0]["message"], errors
+        assert "".join(m.get("content", "") for m in messages).strip("a") == ""
+    else:  # refused before streaming (a grammar compiled with a tighter budget): a 4xx
+        assert 400 <= status < 500, (status, messages[:2])
+
+
+def test_tokenize_and_detokenize_take_at_most_the_context(server):
+    """/tokenize and /detokenize answer up to the model's context length (1024 here) and
+    refuse more with a 400 naming the field."""
+    ok = httpx.post(server.url + "/tokenize", json={"content": "hi " * 900, "with_pieces": True}, timeout=30)
+    assert ok.status_code == 200 and 900 <= len(ok.json()["tokens"]) <= 1024
+    over = httpx.post(server.url + "/tokenize", json={"content": "hi " * 1100}, timeout=30)
+    assert over.status_code == 400 and "'content' holds 1,10" in over.json()["error"]["message"], over.text
+    big = httpx.post(server.url + "/tokenize", json={"content": "x" * 200_000}, timeout=30)
+    assert big.status_code == 400 and "'content' is 200,000 bytes" in big.json()["error"]["message"]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": [81] * 1024}, timeout=30)
+    assert back.status_code == 200 and back.json()["content"] == "a" * 1024
+    over = httpx.post(server.url + "/detokenize", json={"tokens": [81] * 1025}, timeout=30)
+    assert over.status_code == 400 and "'tokens' holds 1,025 ids" in over.json()["error"]["message"]
+
+
+def test_a_page_from_another_site_is_refused_but_scripts_and_local_pages_are_not(server):
+    """A browser's simple request from another page (no Origin, Sec-Fetch-Site cross-site
+    or same-site) gets 403 on every route; an allowed page's fetch (with its Origin), a
+    typed URL (Sec-Fetch-Site none) and a script (no Sec-Fetch-*) are answered."""
+    for site in ("cross-site", "same-site"):
+        for method, path in (("GET", "/props"), ("GET", "/health"), ("POST", "/api/show")):
+            r = httpx.request(method, server.url + path, headers={"Sec-Fetch-Site": site}, timeout=30)
+            assert r.status_code == 403 and site in r.text, (method, path, r.status_code)
+    local_page = {"Sec-Fetch-Site": "same-site", "Origin": "http://localhost:3000"}
+    assert httpx.get(server.url + "/props", headers=local_page, timeout=60).status_code == 200
+    assert httpx.get(server.url + "/props", headers={"Sec-Fetch-Site": "none"}, timeout=60).status_code == 200
+    assert httpx.get(server.url + "/props", timeout=60).status_code == 200
+
+
+def test_a_client_that_hangs_up_is_one_log_line(server):
+    """A non-streamed request whose client goes away: one line in the log, no traceback,
+    and the server goes on answering."""
+    with open(server.log.name) as f:
+        before = len(f.read())
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/completion", json={"prompt": "Tell me a story.", "n_predict": 400,
+                                                     "ignore_eos": True}, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(server.log.name) as f:
+            new = f.read()[before:]
+        if "hung up" in new:
+            break
+        time.sleep(0.1)
+    assert "hung up" in new, new
+    assert "Traceback" not in new and "Exception in ASGI" not in new, new
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
 
 def test_a_file_outside_is_indistinguishable_from_a_missing_one_and_never_echoed(server, tmp_path):
@@ -197,3 +336,67 @@ def _quietly(fn, url) -> None:
         fn(url)
     except httpx.HTTPError:
         return  # the server went away under it, which is what the test does
+
+
+# -- --rpc: tokenizing in the model's child process has its own bound -----------------------
+
+
+class _SlowTokenizer:
+    """The child's side pipe, played by a thread: "slow" takes 1.5 s to tokenize, any
+    other text is its bytes at once; calls are answered in order, as the child does."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                op, args = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            if args[0] == "slow":
+                time.sleep(1.5)
+            self.conn.send(("ok", list(args[0].encode())))
+
+
+def _remote_with_fake_child(monkeypatch):
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from localrun.backends import remote
+
+    monkeypatch.setattr(remote, "TOKENIZE_TIMEOUT_S", 0.5)
+    backend = remote.RemoteBackend.__new__(remote.RemoteBackend)  # no child process: the pipe is played
+    parent, child = mp.Pipe()
+    never_ready, _keep = os.pipe()  # the child's sentinel: it never exits
+    backend.call_timeout, backend.lost, backend._side_owed = 120.0, None, 0
+    backend._side, backend._side_lock = parent, threading.Lock()
+    backend._proc = SimpleNamespace(sentinel=never_ready)
+    backend.info = SimpleNamespace(path="/models/big.gguf")
+    backend.endpoints = ["127.0.0.1:50052"]
+    return backend, _SlowTokenizer(child)
+
+
+def test_a_slow_tokenize_over_rpc_fails_its_request_and_keeps_the_child(monkeypatch, caplog):
+    from localrun.backends import remote
+    from localrun.errors import BadRequestError
+
+    backend, _child = _remote_with_fake_child(monkeypatch)
+    t0 = time.monotonic()
+    with pytest.raises(remote.SideCallTimeoutError) as err:
+        backend.tokenize("slow")
+    assert time.monotonic() - t0 < 1.2
+    assert str(err.value) == "tokenizing a text of 4 bytes took over 0.5 s in the model's process; the model stays loaded"
+    assert err.value.http_status == 503 and backend.lost is None  # the child was not given up on
+    assert "tokenizing a text of 4 bytes took over 0.5 s" in caplog.text and "workers are not involved" in caplog.text
+    # a call while the child still tokenizes it waits its own bound, then fails alone too
+    with pytest.raises(remote.SideCallTimeoutError, match="still busy with an earlier tokenize"):
+        backend.tokenize("hi")
+    time.sleep(0.6)  # "slow" is done: the next call reads past its late answer and gets its own
+    assert backend.tokenize("hi") == list(b"hi")
+    assert backend._side_owed == 0
+    # a text beyond the bound is refused before anything is sent
+    with pytest.raises(BadRequestError, match="TOKENIZE_MAX_BYTES"):
+        backend.tokenize("x" * (remote.TOKENIZE_MAX_BYTES + 1))
+    assert backend.tokenize("ok") == list(b"ok")

@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the three dialects: the guard middleware (DNS-rebinding Host
-check, CORS allowlist, API key), bounded JSON bodies, each dialect's error shape, and
+"""HTTP plumbing shared by the dialects: the guard middleware (DNS-rebinding Host
+check, CORS allowlist, cross-site simple requests, API key), bounded JSON bodies, each dialect's error shape, and
 streaming that stops generating when the client goes away."""
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..errors import BadRequestError, LocalrunError
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "[::1]", "::1"}
+# Sec-Fetch-Site values of a request another page made. "same-site" too: a page on
+# another localhost port is same-site (ports do not count), and with --cors-origin not
+# every local page is trusted; an allowed page's fetch() sends its Origin and passes.
+CROSS_SITE = frozenset({"cross-site", "same-site"})
 DEFAULT_ORIGINS = (
     r"https?://localhost(:\d+)?",
     r"https?://127\.0\.0\.1(:\d+)?",
@@ -38,6 +42,8 @@ class ForbiddenError(LocalrunError):
 
 
 def dialect_of(path: str) -> str:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
     if path.startswith("/v1/"):
         return "openai"
     if path.startswith("/api/"):
@@ -45,11 +51,20 @@ def dialect_of(path: str) -> str:
     return "llama"
 
 
+# Anthropic's error types by status (what its SDKs map to exception classes)
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 529: "overloaded_error"}
+
+
 def error_response(path: str, status: int, message: str) -> JSONResponse:
     """The error body each dialect's clients parse."""
     dialect = dialect_of(path)
     if dialect == "ollama":
         return JSONResponse({"error": message}, status_code=status)
+    if dialect == "anthropic":
+        return JSONResponse({"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                                        "message": message}}, status_code=status)
     kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 413: "invalid_request_error", 503: "unavailable_error"}.get(status, "server_error")
     if dialect == "openai":
@@ -64,6 +79,9 @@ class Guard:
       name, so a web page that rebinds its own DNS name to 127.0.0.1 gets 403.
     - CORS: browsers get Access-Control-Allow-Origin only for allowed origins (local
       pages and editor webviews by default); a request from any other origin gets 403.
+    - Cross-site simple requests: a request a browser marks `Sec-Fetch-Site: cross-site`
+      (or same-site) without an allowed Origin gets 403 on every route, so no page can
+      load a model or run a generation through an <img>, <script> or <form>.
     - API key: with --api-key, every route but /health needs `Authorization: Bearer KEY`
       (or `x-api-key`).
     """
@@ -92,6 +110,16 @@ class Guard:
             return await error_response(path, 403, f"forbidden origin {origin}: start the server with --cors-origin")(
                 scope, receive, send
             )
+        fetch_site = headers.get("sec-fetch-site")
+        if fetch_site in CROSS_SITE and not cors:
+            # a browser's "simple" request from another page that sends no Origin: an
+            # <img src=http://127.0.0.1:11435/props> (which loads the default model), a
+            # <form>, a link. A page's own fetch() to another origin always sends Origin,
+            # so an allowed page is never refused here; a CLI or SDK sends no Sec-Fetch-Site.
+            return await error_response(
+                path, 403, f"forbidden {fetch_site} request from a web page that sent no allowed Origin:"
+                " call this server from a script, or start it with --cors-origin for that page"
+            )(scope, receive, send)
         if scope["method"] == "OPTIONS" and origin is not None:
             return await self._preflight(cors, origin, headers, scope, receive, send)
         if self.api_key and path != "/health" and not self._authorized(headers):
@@ -176,8 +204,14 @@ async def _hang_up(request: Request) -> None:
         message = await request.receive()
 
 
+class ClientDisconnected(asyncio.CancelledError):
+    """The client hung up before its (non-streamed) answer was ready. A CancelledError, so
+    code that lets cancellation through still does; `state.endpoint` turns it into one log
+    line (an ASGI app that raises it would get a full traceback logged per hang-up)."""
+
+
 async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconnect: Callable[[], None]):
-    """Await `work`; if the client hangs up first, call on_disconnect and raise CancelledError."""
+    """Await `work`; if the client hangs up first, call on_disconnect and raise ClientDisconnected."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_hang_up(request))
     try:
@@ -185,7 +219,7 @@ async def until_done_or_disconnect(request: Request, work: Awaitable, on_disconn
         if task.done():
             return task.result()
         on_disconnect()
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected("client disconnected")
     finally:
         for t in (task, watcher):
             if not t.done():

@@ -22,10 +22,10 @@ from .describe import describe
 from .fields import Body, generation_request, messages, sampling_params, schema_grammar, tool_fields
 from .fim import fim_tokens
 from .http import ndjson, stream
-from .models import parse_keep_alive
+from .keep_alive import parse_keep_alive
 from .openai_api import chat_tokens
 from .runner import collect, events, submit
-from .state import embed_inputs, endpoint, state
+from .state import embed_inputs, endpoint, json_response, state
 
 OLLAMA_VERSION = "0.12.0"  # the API generation these routes follow
 
@@ -163,7 +163,7 @@ async def _answer(request: Request, model, job, streaming: bool, name: str, shap
            "done_reason": _done_reason(res.finish_reason), **_final(res.timings, load_ns, started)}
     if tokens is not None:
         out["context"] = tokens + res.tokens
-    return JSONResponse(out)
+    return await json_response(out)  # "context" holds up to the context length of ids: encoded off the loop
 
 
 async def _model(st, b: Body):
@@ -284,8 +284,10 @@ async def embed(request: Request):
     b = await st.body(request)
     name, model, load_ns = await _model(st, b)
     vectors, n_tokens = await embed_inputs(model, b, "input")
-    return JSONResponse({"model": name, "embeddings": vectors, "total_duration": int((time.perf_counter() - started) * 1e9),
-                         "load_duration": load_ns, "prompt_eval_count": n_tokens})
+    # up to 2,048 vectors of n_embd floats: encoded off the loop
+    return await json_response({"model": name, "embeddings": vectors,
+                                "total_duration": int((time.perf_counter() - started) * 1e9),
+                                "load_duration": load_ns, "prompt_eval_count": n_tokens})
 
 
 # This dialect's routes, in one place (app.py mounts the three lists).

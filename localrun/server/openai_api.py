@@ -29,7 +29,7 @@ from .fields import Body, generation_request, grammar_from, messages, sampling_p
 from .fim import fim_tokens
 from .http import sse, stream
 from .runner import Result, collect, events, logprob, submit
-from .state import embed_inputs, endpoint, state
+from .state import embed_inputs, endpoint, json_response, state
 
 
 # the fields that constrain an answer (grammar_from's); a tool call brings its own grammar
@@ -172,16 +172,18 @@ async def chat_completions(request: Request):
 
         return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
     res: Result = await collect(request, model, job)
-    choice = {
-        "index": 0,
-        "message": _message(res.text, collect_calls(res.tool_calls)),
-        "logprobs": _chat_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top) if want_lp else None,
-        "finish_reason": _finish(res.finish_reason),
-    }
-    return JSONResponse(
-        {"id": cid, "object": "chat.completion", "created": created, "model": name,
-         "choices": [choice], "usage": _usage(res.timings), "timings": _llama_timings(res.timings)}
-    )
+
+    def answer() -> dict:  # logprobs grow with the answer: built and encoded off the loop
+        choice = {
+            "index": 0,
+            "message": _message(res.text, collect_calls(res.tool_calls)),
+            "logprobs": _chat_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top) if want_lp else None,
+            "finish_reason": _finish(res.finish_reason),
+        }
+        return {"id": cid, "object": "chat.completion", "created": created, "model": name,
+                "choices": [choice], "usage": _usage(res.timings), "timings": _llama_timings(res.timings)}
+
+    return await json_response(answer)
 
 
 async def completions(request: Request):
@@ -239,12 +241,14 @@ async def completions(request: Request):
 
         return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
     res = await collect(request, model, job)
-    lp = _text_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top, 0) if n_top else None
-    return JSONResponse(
-        {"id": cid, "object": "text_completion", "created": created, "model": name,
-         "choices": [{"index": 0, "text": res.text, "logprobs": lp, "finish_reason": _finish(res.finish_reason)}],
-         "usage": _usage(res.timings), "timings": _llama_timings(res.timings)}
-    )
+
+    def answer() -> dict:  # logprobs grow with the answer: built and encoded off the loop
+        lp = _text_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top, 0) if n_top else None
+        return {"id": cid, "object": "text_completion", "created": created, "model": name,
+                "choices": [{"index": 0, "text": res.text, "logprobs": lp, "finish_reason": _finish(res.finish_reason)}],
+                "usage": _usage(res.timings), "timings": _llama_timings(res.timings)}
+
+    return await json_response(answer)
 
 
 async def list_models(request: Request):
@@ -265,7 +269,8 @@ async def embeddings(request: Request):
     if encoding == "base64":  # little-endian float32, as OpenAI's clients decode it
         vectors = [base64.b64encode(np.asarray(v, "<f4").tobytes()).decode() for v in vectors]
     data = [{"object": "embedding", "embedding": v, "index": i} for i, v in enumerate(vectors)]
-    return JSONResponse(
+    # up to 2,048 vectors of n_embd floats (~25 MB of JSON): encoded off the loop
+    return await json_response(
         {"object": "list", "data": data, "model": model.name, "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
     )
 

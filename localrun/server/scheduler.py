@@ -11,6 +11,10 @@ that arrives mid-answer joins at the next step instead of waiting for the answer
 Events travel to the asyncio side through `loop.call_soon_threadsafe`; the HTTP
 handler reads them from an asyncio.Queue. A cancelled request frees its slot at the
 next step boundary: a step is one decode (a prefill chunk is bounded by `n_batch`).
+
+A step fails as a whole only when the backend's decode fails (every job shared it);
+one job's own work (its grammar, sampler, stop strings, n_indent) failing ends that job
+alone, with an error naming what failed (Engine._fail, Scheduler._deliver).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine import Engine, Generation
+from ..engine import Engine, Generation, GenerationFailed
 from ..errors import LocalrunError
 from ..request import GenerationRequest
 from .indent import IndentLimit
@@ -292,30 +296,45 @@ class Scheduler:
         self.stats.decode_calls += 1
         with self._cv:
             for job in active:
-                ev = events.get(job.gen.seq)
-                if ev is None or job not in self._active:
+                if job not in self._active:
                     continue
-                if job._t_first is None:
-                    job._t_first = now
-                    self.stats.prompt_tokens += job.gen.timings.prompt_tokens - job.gen.timings.cached_tokens
-                    self.stats.prompt_seconds += job.gen.timings.prefill_ms / 1000
-                cut = job.indent.cut(ev.text) if job.indent is not None else None
-                if cut is not None:
-                    ev.text = ev.text[:cut]
-                job.post(ev)
-                job.has_newline = job.has_newline or "\n" in ev.text
-                if cut is not None and not job.gen.done:
-                    last = self.engine.finish(job.gen, "length")  # llama-server's stop_type "limit"
-                    last.text = ""  # what the stop matcher still held comes after the cut
-                    job.post(last)
-                elif self._out_of_time(job, now):
-                    job.post(self.engine.finish(job.gen, "length"))
-                if job.gen.done:
-                    t = job.gen.timings
-                    self.stats.predicted_tokens += t.generated_tokens
-                    self.stats.predicted_seconds += t.decode_ms / 1000
-                    self.stats.requests_done += 1
-                    self._end(job, END)
+                if job.gen.error is not None:  # its own work failed in the engine's step: it alone ends
+                    log.warning("request %d ended: %s", job.id, job.gen.error)
+                    self._end(job, job.gen.error)
+                    continue
+                ev = events.get(job.gen.seq)
+                if ev is None:
+                    continue
+                try:
+                    self._deliver(job, ev, now)
+                except Exception as exc:  # n_indent, a time budget, the last flush: this job alone
+                    log.error("request %d failed after its step", job.id, exc_info=exc)
+                    self._end(job, GenerationFailed(
+                        "generation failed: internal error while finishing this request (see the server log)"))
+
+    def _deliver(self, job: Job, ev, now: float) -> None:
+        """Hand one job its step's event, and end it when it is done (lock held)."""
+        if job._t_first is None:
+            job._t_first = now
+            self.stats.prompt_tokens += job.gen.timings.prompt_tokens - job.gen.timings.cached_tokens
+            self.stats.prompt_seconds += job.gen.timings.prefill_ms / 1000
+        cut = job.indent.cut(ev.text) if job.indent is not None else None
+        if cut is not None:
+            ev.text = ev.text[:cut]
+        job.post(ev)
+        job.has_newline = job.has_newline or "\n" in ev.text
+        if cut is not None and not job.gen.done:
+            last = self.engine.finish(job.gen, "length")  # llama-server's stop_type "limit"
+            last.text = ""  # what the stop matcher still held comes after the cut
+            job.post(last)
+        elif self._out_of_time(job, now):
+            job.post(self.engine.finish(job.gen, "length"))
+        if job.gen.done:
+            t = job.gen.timings
+            self.stats.predicted_tokens += t.generated_tokens
+            self.stats.predicted_seconds += t.decode_ms / 1000
+            self.stats.requests_done += 1
+            self._end(job, END)
 
     def _out_of_time(self, job: Job, now: float) -> bool:
         """llama-server's t_max_predict_ms, an editor's time budget for a completion: it

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 
-from ..grammar import Grammar
+from ..grammar import Grammar, lark_spec
 from .formats import BARE_FENCE, BARE_FENCE_END, BARE_SEPARATOR, ToolFormat
 from .spec import Tool, ToolChoice
 
@@ -76,7 +76,7 @@ def call_grammar_text(
     control = dict(control or {})
     lit = _Literals(control)
     chosen = [t for t in tools if choice.mode != "named" or t.name == choice.name]
-    lines = ["%llguidance {}", "call: " + " | ".join(f"c{i}" for i in range(len(chosen)))]
+    lines = ["call: " + " | ".join(f"c{i}" for i in range(len(chosen)))]
     for i, tool in enumerate(chosen):
         opening = json.dumps(f'{{"name": "{tool.name}", "{fmt.args_key}": ')
         lines.append(f'c{i}: {opening} %json {json.dumps(tool.constrained_schema())} "}}"')
@@ -131,12 +131,14 @@ def call_grammar(
     control: dict[str, int] | None = None,
 ) -> Grammar:
     """The constraint as a `Grammar` (llguidance compiles it per tokenizer, bounded by
-    grammar.py's limits, on its compile thread, when the engine first needs a matcher).
+    grammar.py's limits, on its compile thread, when `request.prepare` compiles it).
 
     Not `Grammar.from_lark`: that probes on a byte vocabulary and caps the source at
     MAX_GRAMMAR_BYTES (128 KiB), while tools may bring MAX_TOOL_SCHEMAS_BYTES (256 KiB) of
-    schemas, each already compiled on its own when it was parsed (`parse_tools`)."""
-    import llguidance
-
+    schemas, each already compiled on its own when it was parsed (`parse_tools`). Still
+    made by `lark_spec`, which sets localrun's llguidance options (no forcing: without it
+    an array of 10,000 strings of `^a{10000}$` stalled every stream of a model for up to
+    104 s). The text is localrun's own (tool names are checked, schemas are JSON), so it
+    is not read for a request's options lines."""
     text = call_grammar_text(fmt, tools, choice, parallel, control)
-    return Grammar("lark", text, llguidance.LLMatcher.grammar_from_lark(text))
+    return Grammar("lark", text, lark_spec(text, from_request=False))

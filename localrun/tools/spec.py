@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..errors import BadRequestError
-from ..grammar import Grammar
+from ..grammar import Grammar, json_schema_layout
 
 MAX_TOOLS = 128
 MAX_TOOL_SCHEMA_BYTES = 64 * 1024
@@ -88,7 +88,7 @@ class Tool:
         and, where the schema lists `properties` and says nothing of others, without
         others (llama.cpp's default too: a model invents no arguments the tool never
         declared; every call still validates against the tool's own schema)."""
-        schema = {**self.parameters, "x-guidance": JSON_LAYOUT}
+        schema = json_schema_layout(self.parameters, JSON_LAYOUT)
         if "properties" in schema and not {"additionalProperties", "patternProperties"} & schema.keys():
             schema["additionalProperties"] = False
         return schema
@@ -208,7 +208,8 @@ def _compile_once(tool: Tool) -> None:
         if key in _SCHEMA_CACHE:
             _SCHEMA_CACHE.move_to_end(key)
             return
-    Grammar.from_json_schema(tool.constrained_schema())  # BadRequestError with llguidance's reason
+    # BadRequestError with llguidance's reason; the call grammar's layout, not the default
+    Grammar.from_json_schema(tool.constrained_schema(), layout=JSON_LAYOUT)
     with _schema_lock:
         _SCHEMA_CACHE[key] = True
         while len(_SCHEMA_CACHE) > _SCHEMA_CACHE_SIZE:
