@@ -84,7 +84,8 @@ def codex_home(tmp_path: Path, server) -> Path:
     return home
 
 
-def codex(agents: Path, server, work: Path, prompt: str, *flags: str, done=None) -> tuple[list[dict], list[dict]]:
+def codex(agents: Path, server, work: Path, prompt: str, *flags: str, done=None,
+          timeout: float = AGENT_TIMEOUT_S) -> tuple[list[dict], list[dict]]:
     """Run `codex exec --json` until it exits, or until `done(work)` holds (then it is
     stopped). Returns its JSON events (Codex writes them when it exits: to a pipe it does
     not flush line by line) and the items of its session log, which it writes as it goes."""
@@ -93,7 +94,7 @@ def codex(agents: Path, server, work: Path, prompt: str, *flags: str, done=None)
                             cwd=work, env={**os.environ, "CODEX_HOME": str(home)}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its npm launcher runs the real binary as a child
-    deadline = time.monotonic() + AGENT_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline and not (done and done(work)):
         time.sleep(0.5)
     with contextlib.suppress(ProcessLookupError):  # the launcher, the agent and the commands it ran
@@ -116,11 +117,20 @@ def test_codex_completes_a_turn(agents, server, tmp_path):
 
 
 def test_codex_runs_the_shell_command_the_model_called(agents, server, tmp_path):
-    def ran(work: Path) -> bool:
-        return (work / "hello.txt").exists()
-
-    _, items = codex(agents, server, tmp_path, 'Run this shell command with exec_command, passing only "cmd":'
-                     ' echo hi > hello.txt', "--dangerously-bypass-approvals-and-sandbox", done=ran)
-    calls = [i for i in items if i.get("type") == "function_call" and i.get("name") == "exec_command"]
-    assert calls and "hello.txt" in json.loads(calls[0]["arguments"])["cmd"], items[-3:]
-    assert (tmp_path / "hello.txt").read_text().strip() == "hi"
+    """Codex sends no temperature, so the model samples: about one session in three, it
+    adds a `justification` argument without `sandbox_permissions`, which Codex's own policy
+    refuses (and the model then repeats). A new session samples again: up to four."""
+    sessions = []
+    for attempt in range(4):
+        work = tmp_path / f"session{attempt}"
+        work.mkdir()
+        _, items = codex(agents, server, work, 'Call exec_command with exactly these arguments:'
+                         ' {"cmd": "echo hi > hello.txt"}', "--dangerously-bypass-approvals-and-sandbox",
+                         done=lambda w: (w / "hello.txt").exists(), timeout=150)
+        calls = [json.loads(i["arguments"]) for i in items
+                 if i.get("type") == "function_call" and i.get("name") == "exec_command"]
+        sessions.append(calls[:2])
+        if (work / "hello.txt").exists():
+            break
+    assert (work / "hello.txt").read_text().strip() == "hi", sessions
+    assert any("hello.txt" in c.get("cmd", "") for c in calls), sessions

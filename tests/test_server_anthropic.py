@@ -16,35 +16,21 @@ import json
 import threading
 import time
 
+import anthropic
 import httpx
 import jsonschema
 import pytest
 
+from test_server_tools import TIME_SCHEMA, WEATHER_SCHEMA  # the same two tools as the OpenAI tests
 from serving import Server
 from test_server_attacks import stream_victim, under_attack
 from test_tool_calls_models import HERMES_CHATML
 
-anthropic = pytest.importorskip("anthropic", reason="the anthropic SDK is a test extra")
 
 QWEN = "qwen2.5-coder-0.5b-instruct-q4_k_m"
 CTX = 4096
 # the SDK (2.x) no longer takes sampling parameters as arguments; the body still may
 GREEDY = {"temperature": 0}
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city"],
-    "additionalProperties": False,
-}
-TIME_SCHEMA = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "maxLength": 40}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
         "additionalProperties": False}
 SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
@@ -196,6 +182,20 @@ def test_a_system_message_inside_messages_joins_the_user_turn_before_it(client):
     alone = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Say hello."}]
     assert count(alone) > count([alone[1]])  # no user turn before it: it stands as a system message
     assert create(client, messages=split, max_tokens=2).content
+
+
+def test_an_image_in_a_tool_result_is_left_out_not_refused(client):
+    """Claude Code's Read of a picture returns an image block: the session must go on."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    turn = [{"role": "user", "content": "Look at a.png"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Oslo"}}]}]
+    with_image = turn + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                       "content": [image]}]}]
+    said = turn + [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                 "content": "[image left out: this server reads text only]"}]}]
+    count = lambda msgs: client.messages.count_tokens(model=QWEN, tools=TOOLS, messages=msgs).input_tokens
+    assert count(with_image) == count(said)
 
 
 def tool_uses(message) -> list:

@@ -423,12 +423,20 @@ def _tool_result(block: dict, at: str) -> dict:
     elif isinstance(content, list):
         if len(content) > MAX_CONTENT_PARTS:
             raise BadRequestError(f"'{at}.content' may hold at most {MAX_CONTENT_PARTS} blocks, got {len(content)}")
-        text = "\n".join(_text(part, f"{at}.content[{k}]") for k, part in enumerate(content))
+        text = "\n".join(_result_text(part, f"{at}.content[{k}]") for k, part in enumerate(content))
     else:
         raise BadRequestError(f"'{at}.content' must be a string or a list of text blocks, got {_show(content)}")
     if b.bool("is_error", False):
         text = TOOL_RESULT_ERROR + text
     return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _result_text(block, at: str) -> str:
+    """A tool result's block: text, or for an image or document (Claude Code's Read of a
+    picture) a line saying it was left out, so the agent's session goes on."""
+    if isinstance(block, dict) and block.get("type") in ("image", "document"):
+        return f"[{block['type']} left out: this server reads text only]"
+    return _text(block, at)
 
 
 def _assistant(blocks: list, where: str) -> list[dict]:

@@ -53,6 +53,7 @@ _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 NOT_TEXT_PARTS = ("input_image", "input_file", "input_audio", "image_url")
+NOT_READ = "[{kind} left out: this server reads text only]"
 # items of OpenAI-hosted tools a client may send back from an earlier (OpenAI) answer:
 # this server never made them and runs none of those tools, so they only drop out
 HOSTED_ITEMS = {
@@ -136,7 +137,8 @@ def _item(item, at: str, msgs: list[dict]) -> None:
         else:
             msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind in ("function_call_output", "custom_tool_call_output"):
-        msgs.append({"role": "tool", "tool_call_id": _short(it, "call_id", at), "content": _text(it, "output", at)})
+        msgs.append({"role": "tool", "tool_call_id": _short(it, "call_id", at),
+                     "content": _text(it, "output", at, tool_output=True)})
     elif kind == "reasoning":
         return  # dropped, encrypted_content and all: another model's reasoning, sealed for it
     elif kind == "item_reference":
@@ -157,8 +159,10 @@ def _short(it: Body, key: str, at: str) -> str:
     return v
 
 
-def _text(it: Body, key: str, at: str) -> str:
-    """A message's content or a tool output: a string, or a list of text parts."""
+def _text(it: Body, key: str, at: str, tool_output: bool = False) -> str:
+    """A message's content or a tool output: a string, or a list of text parts. In a tool's
+    output an image or file part (Codex's view_image) becomes NOT_READ, so the agent's
+    session goes on; in a message it is a 400."""
     v = it.get(key, "")
     if isinstance(v, str):
         return v
@@ -169,6 +173,9 @@ def _text(it: Body, key: str, at: str) -> str:
         if not isinstance(part, dict):
             raise BadRequestError(f"'{where}' must be a content part object, got {_show(part)}")
         kind = part.get("type")
+        if kind in NOT_TEXT_PARTS and tool_output:
+            texts.append(NOT_READ.format(kind=kind))
+            continue
         if kind in NOT_TEXT_PARTS:
             raise BadRequestError(f"'{where}' is an {kind} part: this server reads text only")
         if kind == "refusal":
