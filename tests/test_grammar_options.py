@@ -36,7 +36,8 @@ from localrun.request import GenerationRequest, prepare
 from localrun.sampling import SamplingParams
 from localrun.tools import HERMES, ToolChoice, call_grammar, parse_tools
 
-from fakes import EOS, ScriptedBackend, make_info
+from fakes import EOS, ScriptedBackend
+from test_grammar_limits import TwoByteBackend  # the byte vocabulary plus "aa", which forcing would refuse
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -174,20 +175,6 @@ def test_reading_options_lines_stays_linear():
 def test_lark_errors_keep_the_request_s_line_numbers():
     with pytest.raises(BadRequestError, match=r"^bad Lark grammar at line 3, column \d+"):
         Grammar.from_lark('%llguidance {}\nstart: x\nx: "a" (\n')
-
-
-class TwoByteBackend(ScriptedBackend):
-    """The byte vocabulary plus token 257, "aa" (a forcing llguidance would refuse it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.info = make_info(n_vocab=258)
-
-    def token_bytes(self, token: int) -> bytes:
-        return b"aa" if token == 257 else super().token_bytes(token)
-
-    def is_control(self, token: int) -> bool:
-        return token == EOS
 
 
 def test_localrun_options_win_over_a_line_the_check_would_miss():
