@@ -36,7 +36,7 @@ from localrun.request import GenerationRequest, prepare
 from localrun.sampling import SamplingParams
 from localrun.tools import HERMES, ToolChoice, call_grammar, parse_tools
 
-from fakes import EOS, ScriptedBackend
+from fakes import ScriptedBackend
 from test_grammar_limits import TwoByteBackend  # the byte vocabulary plus "aa", which forcing would refuse
 
 ROOT = Path(__file__).resolve().parent.parent
