@@ -30,6 +30,7 @@ from . import drift_cache, slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar import GrammarMatcher, build_tokenizer
+from .json_budget import CLOSING_RESERVE, budget_tokens, narrow
 from .request import GenerationRequest, prepare, request_or_options
 from .sampling import Sampler, TokenText
 from .speculative import Acceptance, DraftController, margin_change
@@ -66,6 +67,7 @@ class Engine:
         self._free = list(range(backend.n_seq))
         # DRY's breakers, resolved once per model; and lookup's edits that mirror a bracket
         self.token_text = TokenText.from_backend(backend)
+        self._budget_tokens: tuple[np.ndarray, np.ndarray] | None = None
         self.chat_template = chat_template or self.info.chat_template or chat_template_module.fallback_template(
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
@@ -193,6 +195,7 @@ class Engine:
             gen.calls = self.tools.output(request.tool_choice)
         elif request.grammar is not None:
             gen.matcher = GrammarMatcher(request.grammar, build_tokenizer(self.backend))
+            gen.closes_json = request.grammar.kind == "json_schema"
         gen.started(time.perf_counter())
         return gen
 
@@ -457,8 +460,15 @@ class Engine:
             event.token_probs = [known[token] if token in known else g.sampler.token_prob(row, token)]
         return event
 
-    @staticmethod
-    def _constrain(g: Generation, row):
+    def budget_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """json_budget.budget_tokens for this model's vocabulary, built on first use
+        (`prepare` warms it off the scheduler thread for a JSON-schema request)."""
+        if self._budget_tokens is None:
+            ends = self.info.stop_ids | ({self.info.eos_id} if self.info.eos_id is not None else set())
+            self._budget_tokens = budget_tokens(self.token_text.pieces(int(self.info.n_vocab)), ends)
+        return self._budget_tokens
+
+    def _constrain(self, g: Generation, row):
         """The row the sampler may draw from under the grammar. The full mask costs up to
         ~15 ms on a 262k vocabulary (free text inside a JSON string), so where the chain
         only needs the best few allowed ids (greedy, or top-k first) those are found by
@@ -467,6 +477,12 @@ class Engine:
         The full mask runs when the head holds too few allowed ids, or when per-token
         probabilities over every allowed token are asked for (n_probs)."""
         m, s = g.matcher, g.sampler
+        if g.closes_json and g.tokens_left <= CLOSING_RESERVE:  # see json_budget
+            narrowed = narrow(row, m.allowed_mask(), self.budget_tokens())
+            if narrowed is not None:
+                row, left_out = narrowed
+                g.cut_by_budget |= left_out
+                return row
         head = None if s.params.n_probs else s.grammar_head(row, g.history)
         if head is None:
             return m.apply(row)

@@ -170,6 +170,10 @@ class Generation:
     # the next step feeds the pending token alone: a greedy token that a wide step could
     # not decide exactly (see speculative.BatchDrift)
     plain_next: bool = False
+    # a JSON-schema answer (json_budget): its last tokens only close what is open, and
+    # when that narrowed a choice, it ends as cut by max_tokens ("length")
+    closes_json: bool = False
+    cut_by_budget: bool = False
     _utf8: Utf8Stream = field(default_factory=Utf8Stream)
     _t_start: float = 0.0
     _t_first: float = 0.0
@@ -267,4 +271,6 @@ class Generation:
     def ended(self, reason: str) -> None:
         if reason == "stop" and self.calls is not None and self.calls.made_calls and self.stops.matched is None:
             reason = "tool_calls"
+        if reason == "stop" and self.cut_by_budget:
+            reason = "length"
         self.finish_reason = reason

@@ -243,6 +243,8 @@ def prepare(engine, request: GenerationRequest) -> GenerationRequest:
             # Engine.start on the scheduler thread only copies a ready start state
             grammar.compile(tokenizer, budget_s=COMPILE_BUDGET_S)
             GrammarMatcher(grammar, tokenizer)  # a compile error (over a limit, a token this vocabulary lacks) is a 400 here
+            if grammar.kind == "json_schema" and not request.tools:
+                engine.budget_tokens()  # the vocabulary's closing tokens, read once per model (json_budget)
         except BadRequestError as exc:
             raise BadRequestError(f"'{where}': {exc}") from None
     return request if sampling is request.sampling else dataclasses.replace(request, sampling=sampling)

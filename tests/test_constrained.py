@@ -97,15 +97,17 @@ def test_skipping_the_mask_never_changes_the_output(monkeypatch, params):
     lazy = Engine._constrain
     skipped = []
 
-    def counting(g, row):
-        out = lazy(g, row)
+    def counting(self, g, row):
+        out = lazy(self, g, row)
         kept = int(np.isfinite(out).sum())
         skipped.append("as is" if out is row else "head" if kept <= 4 * max(1, params.get("top_k", 1)) else "full")
         return out
 
     def run(force):
-        forced = staticmethod(lambda g, row: g.matcher.apply(row))
-        monkeypatch.setattr(Engine, "_constrain", forced if force else staticmethod(counting))
+        def forced(self, g, row):
+            return g.matcher.apply(row)
+
+        monkeypatch.setattr(Engine, "_constrain", forced if force else counting)
         out = []
         for seed in range(15):
             eng = Engine(ScriptedBackend(logits_fn=logits, n_ctx=64))

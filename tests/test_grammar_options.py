@@ -11,8 +11,9 @@
 - After `prepare`, starting a generation compiles nothing; a compile past its budget is
   a 400 naming the field.
 - JSON grammars allow one newline and at most 20 spaces/tabs between tokens, whatever
-  the schema's own `x-guidance` says; sampled answers on the small models (seeded,
-  temperature 1.0) that stop on their own validate and never hold a blank line
+  the schema's own `x-guidance` says, and an answer's last tokens close what is open
+  (json_budget); sampled answers on the small models (seeded, temperature 1.0) all
+  validate, loops cut by max_tokens too, and never hold a blank line
   (scripts/check_json_whitespace.py runs the same on 100 seeds).
 """
 
@@ -32,6 +33,7 @@ import localrun.grammar as grammar_module
 from localrun.engine import Engine
 from localrun.errors import BadRequestError
 from localrun.grammar import LLG_OPTIONS, Grammar, GrammarMatcher, build_tokenizer, lark_spec
+from localrun.json_budget import budget_tokens, narrow
 from localrun.request import GenerationRequest, prepare
 from localrun.sampling import SamplingParams
 from localrun.tools import HERMES, ToolChoice, call_grammar, parse_tools
@@ -416,6 +418,35 @@ def test_sampled_json_answers_validate_and_hold_no_blank_line(request, model, se
     100-seed numbers: scripts/check_json_whitespace.py)."""
     answers = sample_answers(request.getfixturevalue(model), range(seeds), temperature=1.0, max_tokens=120)
     stopped = [a for a in answers if a.finish_reason == "stop"]
-    assert [a.text for a in stopped if not a.valid(SCHEMA)] == []
+    # those that looped in their array too (SmolLM2's seed 8): closed in the last tokens
+    assert [a.text for a in answers if not a.valid(SCHEMA)] == []
     assert [a.text for a in answers if a.blank_line] == []
     assert len(stopped) >= seeds // 2, [a.text for a in answers]  # most close their object within 120 tokens
+
+
+def test_an_answer_the_budget_would_cut_is_closed_as_valid_json(smollm2_engine_8):
+    """json_budget: 40 tokens are too few for most of these answers, so their last
+    CLOSING_RESERVE tokens only close what is open: each is valid JSON that validates,
+    and the ones whose choices that narrowed end as "length"."""
+    answers = sample_answers(smollm2_engine_8, range(8), temperature=1.0, max_tokens=40)
+    assert [a.text for a in answers if not a.valid(SCHEMA)] == []
+    assert sum(a.finish_reason == "length" for a in answers) >= 4, [(a.finish_reason, a.text) for a in answers]
+
+
+def test_the_budget_prefers_closing_then_unpadded_tokens():
+    pieces = [b'"', b'"]', b'"}\n', b"\n}", b" ", b",", b'",', b"]", b"}}", b"a", b"", b'["', b" a"]
+    closing, compact = budget_tokens(pieces, end_ids=[10])
+    assert [p for p, c in zip(pieces, closing) if c] == [b'"', b'"]', b'"}\n', b"\n}", b"]", b"}}", b""]
+    assert [p for p, c in zip(pieces, compact) if c] == [b'"', b'"]', b",", b'",', b"]", b"}}", b"a", b'["']
+    row = np.arange(len(pieces), dtype=np.float32)
+
+    def kept(allowed_ids):
+        allowed = np.zeros(len(pieces), np.bool_)
+        allowed[allowed_ids] = True
+        narrowed = narrow(row, allowed, (closing, compact))
+        return None if narrowed is None else (np.flatnonzero(np.isfinite(narrowed[0])).tolist(), narrowed[1])
+
+    assert kept([5, 7, 9]) == ([7], True)  # after an array item: "]" rather than "," or more of it
+    assert kept([5, 9, 12]) == ([5, 9], True)  # a required key still missing: no padding
+    assert kept([7]) == ([7], False)  # nothing else was allowed: the choice was not narrowed
+    assert kept([4]) is None  # only padding: the grammar's row as it is
