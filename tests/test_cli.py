@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,19 +50,43 @@ def test_run_answers_name_three_colors(fmt, request):
     assert "Traceback" not in p.stderr
 
 
-def test_run_reads_the_prompt_from_stdin_and_honours_options(smollm2_gguf):
-    p = localrun(
-        "run", smollm2_gguf, "--system", "Answer in one word.", "--temperature", "0.7", "--seed", "3",
-        "--top-k", "20", "--top-p", "0.9", "--min-p", "0.1", "--max-tokens", "5", "--ctx", "256",
-        stdin="What color is the sky?",
-    )
-    assert p.returncode == 0, p.stderr
-    q = localrun(
-        "run", smollm2_gguf, "--system", "Answer in one word.", "--temperature", "0.7", "--seed", "3",
-        "--top-k", "20", "--top-p", "0.9", "--min-p", "0.1", "--max-tokens", "5", "--ctx", "256",
-        stdin="What color is the sky?",
-    )
-    assert p.stdout == q.stdout and p.stdout.strip()
+def counts(proc) -> tuple[int, int]:
+    """--verbose's prompt and answer token counts."""
+    lines = {line.split(":")[0]: int(line.split()[-2]) for line in proc.stderr.splitlines() if "count:" in line}
+    return lines["prompt eval count"], lines["eval count"]
+
+
+def test_run_reads_the_prompt_from_stdin_and_honours_options(smollm2_gguf, llama_engine):
+    """Each option acts: --system and the stdin text are the prompt; --max-tokens and --ctx
+    end the answer; --temperature 0 is greedy; --seed fixes a hot answer and another seed
+    changes it; --top-k 1, --top-p 0.01 and --min-p 1 each cut a hot draw to the greedy token."""
+    system, question = "You are a poet.", "Describe the sky at night."
+    asked = [{"role": "user", "content": question}]
+    n_prompt = len(llama_engine.chat_prompt([{"role": "system", "content": system}, *asked]))
+    assert n_prompt != len(llama_engine.chat_prompt(asked))  # so the count shows the system line was used
+    # --no-lookup: one token a decode in every run, so greedy and cut-to-greedy runs see the same logits
+    base = ["run", smollm2_gguf, "--system", system, "--no-lookup", "--verbose"]
+    hot = ["--temperature", "2", "--top-k", "0", "--top-p", "1", "--min-p", "0", "--max-tokens", "8"]  # later flags win
+    argv = {
+        "greedy": [*base, "--temperature", "0", "--max-tokens", "8"],
+        "ctx": [*base, "--temperature", "0", "--ctx", n_prompt + 5],  # no --max-tokens: to the end of the context
+        "seed 1": [*base, *hot, "--seed", "1"],
+        "seed 1 again": [*base, *hot, "--seed", "1"],
+        "seed 2": [*base, *hot, "--seed", "2"],
+        "top-k": [*base, *hot, "--seed", "1", "--top-k", "1"],
+        "top-p": [*base, *hot, "--seed", "1", "--top-p", "0.01"],
+        "min-p": [*base, *hot, "--seed", "1", "--min-p", "1"],
+    }
+    with ThreadPoolExecutor(4) as pool:  # a process each, a few at once
+        procs = dict(zip(argv, pool.map(lambda a: localrun(*a, stdin=question), argv.values())))
+    for name, p in procs.items():
+        assert p.returncode == 0, (name, p.stderr)
+    out = {name: p.stdout for name, p in procs.items()}
+    assert counts(procs["greedy"]) == (n_prompt, 8)
+    assert counts(procs["ctx"]) == (n_prompt, 5)
+    assert out["seed 1"] == out["seed 1 again"] != out["seed 2"]
+    assert out["seed 1"] != out["greedy"]
+    assert out["top-k"] == out["top-p"] == out["min-p"] == out["greedy"]
 
 
 def test_missing_model_is_one_line(tmp_path):

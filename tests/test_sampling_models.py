@@ -7,12 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from localrun.sampling import SamplingParams
+import localrun.sampling.sampler as sampler_module
+from localrun.sampling import DEFAULT_SAMPLERS, Sampler, SamplingParams
 
+# dry_allowed_length=1: a 10-token answer seldom repeats two tokens of its context, and DRY
+# must fire for the test below to see it act
 EVERY_STAGE = dict(
     temperature=0.9, dynatemp_range=0.3, top_k=50, typical_p=0.95, top_p=0.95, min_p=0.02,
     xtc_probability=0.5, xtc_threshold=0.1, repeat_penalty=1.1, presence_penalty=0.2,
-    frequency_penalty=0.1, dry_multiplier=0.8, logit_bias={13: -2.0}, top_n_sigma=2.0,
+    frequency_penalty=0.1, dry_multiplier=0.8, dry_allowed_length=1, logit_bias={13: -2.0}, top_n_sigma=2.0,
 )
 
 
@@ -69,19 +72,51 @@ def test_dry_cuts_verbatim_repeats_of_a_loop(llama_engine):
     assert longest_repeat(dry.tokens) < longest_repeat(plain.tokens) / 2, (plain.text, dry.text)
 
 
+def stage_effects(monkeypatch) -> set[str]:
+    """The names of the chain's stages that changed the candidates (ids or logits) at least
+    once while the patch is on: each stage still runs, between a before and after look."""
+    changed: set[str] = set()
+
+    def snapshot(c) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(c.id_array(), kind="stable")
+        return c.id_array()[order].copy(), np.asarray(c.logits)[order].copy()
+
+    def watched(name, run):
+        def wrapper(c, *args):
+            before = snapshot(c)
+            run(c, *args)
+            if not all(np.array_equal(b, a) for b, a in zip(before, snapshot(c))):
+                changed.add(name)
+        return wrapper
+
+    stage = Sampler._stage
+
+    def watched_stage(self, name, c, history):
+        watched(name, lambda c: stage(self, name, c, history))(c)
+
+    monkeypatch.setattr(Sampler, "_stage", watched_stage)
+    # mirostat's path calls temperature and its truncation directly, not through _stage
+    for name, attr in (("temperature", "temperature"), ("mirostat", "mirostat_v1"), ("mirostat", "mirostat_v2")):
+        monkeypatch.setattr(sampler_module, attr, watched(name, getattr(sampler_module, attr)))
+    return changed
+
+
 @pytest.mark.parametrize("stages", ["every", "mirostat1", "mirostat2"])
-def test_every_stage_runs_and_reproduces_on_both_backends(engine, stages):
+def test_every_stage_runs_and_reproduces_on_both_backends(engine, stages, monkeypatch):
     if stages == "every":
-        params = EVERY_STAGE
+        params, expected = EVERY_STAGE, set(DEFAULT_SAMPLERS)
     else:
-        params = dict(mirostat=int(stages[-1]), mirostat_tau=4.0, temperature=0.9, dry_multiplier=0.5)
+        params = dict(mirostat=int(stages[-1]), mirostat_tau=4.0, temperature=0.9, dry_multiplier=0.5,
+                      dry_allowed_length=1)
+        expected = {"dry", "temperature", "mirostat"}  # penalties and logit bias are off: they change nothing
     prompt = chat(engine, "Describe your favourite city.")
+    changed = stage_effects(monkeypatch)
     runs = [
         engine.complete(prompt, sampling=SamplingParams(seed=5, **params), max_tokens=10, ignore_eos=True)
         for _ in range(2)
     ]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 10
-    assert 13 not in runs[0].tokens or EVERY_STAGE["logit_bias"][13] > -100
+    assert changed == expected
 
 
 def test_text_keyed_logit_bias_bans_every_token_of_the_text(llama_engine):

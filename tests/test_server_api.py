@@ -108,13 +108,28 @@ def test_openai_completions_with_stop(oai):
     assert "5" in r.choices[0].text
 
 
-def test_openai_completions_suffix_needs_fim(oai):
+def fim_prompt(server, prefix: str, suffix: str) -> list[int]:
+    """Qwen2.5-Coder's fill-in-the-middle prompt: <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|>."""
+
+    def tokenize(text: str) -> list[int]:
+        r = httpx.post(server.url + "/tokenize", json={"model": FIM_MODEL, "content": text}, timeout=30)
+        return r.json()["tokens"]
+
+    pre, suf, mid = tokenize("<|fim_prefix|>"), tokenize("<|fim_suffix|>"), tokenize("<|fim_middle|>")
+    assert len(pre) == len(suf) == len(mid) == 1
+    return pre + tokenize(prefix) + suf + tokenize(suffix) + mid
+
+
+def test_openai_completions_suffix_needs_fim(oai, server):
     import openai
 
     with pytest.raises(openai.BadRequestError, match="fill-in-the-middle"):
         oai.completions.create(model=MODEL, prompt="def f(", suffix="\n", max_tokens=4)
-    r = oai.completions.create(model=FIM_MODEL, prompt="def add(a, b):\n    return ", suffix="\n", max_tokens=4, temperature=0)
-    assert r.usage.prompt_tokens > 5
+    # the function's name is only in the suffix: the middle can write it only if it read the suffix
+    prefix, suffix = "def ", "(a, b):\n    return a * b\n\n\nprint(multiply(2, 3))\n"
+    r = oai.completions.create(model=FIM_MODEL, prompt=prefix, suffix=suffix, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == len(fim_prompt(server, prefix, suffix))
+    assert r.choices[0].text.startswith("multiply"), r.choices[0].text
 
 
 def test_openai_models_lists_configured(oai):
@@ -192,11 +207,15 @@ def test_continue_show_then_generate_with_suffix(server):
     """Continue's autocomplete: /api/show for the context length, then /api/generate with suffix."""
     show = httpx.post(server.url + "/api/show", json={"name": FIM_MODEL}, timeout=30).json()
     assert show["model_info"]["qwen2.context_length"] > 0
-    body = {"model": FIM_MODEL, "prompt": "def add(a, b):\n    ", "suffix": "\n\nprint(add(1, 2))\n",
+    prefix, suffix = "class ", ":\n    pass\n\n\nshape = Rectangle()\n"  # the name is only after the cursor
+    body = {"model": FIM_MODEL, "prompt": prefix, "suffix": suffix,
             "stream": False, "raw": True, "options": {"temperature": 0.01, "num_predict": 8, "stop": ["\n\n"]},
             "keep_alive": 1800}
     r = httpx.post(server.url + "/api/generate", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["done"]
+    prompt = fim_prompt(server, prefix, suffix)
+    assert r.json()["prompt_eval_count"] == len(prompt) and r.json()["context"][: len(prompt)] == prompt
+    assert r.json()["response"].startswith("Rectangle"), r.json()["response"]
     bad = httpx.post(server.url + "/api/generate", json={**body, "model": MODEL}, timeout=60)
     assert bad.status_code == 400 and "fill-in-the-middle" in bad.json()["error"]
 

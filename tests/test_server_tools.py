@@ -258,13 +258,15 @@ def test_ollama_python_function_tool_whole_streamed_and_round_trip(olm):
     assert not reply.message.tool_calls and "18" in reply.message.content
 
 
-@pytest.mark.parametrize("seed", [4, 5])
+# Ollama has no tool_choice, so a sampled answer may be text (seed 4 writes its call out as
+# text): these seeds call, 12 both tools, and every call must come
+@pytest.mark.parametrize("seed", [5, 12])
 def test_ollama_sampled_calls_validate(olm, seed):
     r = olm.chat(model=QWEN, messages=CALL_ASK, tools=TOOLS,
                  options={"temperature": 1.0, "seed": seed, "num_predict": CALL_LIMIT})
-    for call in r.message.tool_calls or ():
+    assert r.message.tool_calls, f"seed {seed} made no tool call: {r.message.content!r}"
+    for call in r.message.tool_calls:
         jsonschema.validate(dict(call.function.arguments), SCHEMAS[call.function.name])
-    assert r.message.tool_calls or r.message.content
 
 
 def test_show_lists_tools_only_for_a_tools_template(olm):
