@@ -11,6 +11,7 @@ those can wait on something a request started. So at the signal:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -41,6 +42,15 @@ class BoundedServer(uvicorn.Server):
             threading.Thread(target=self._stop_models, name="localrun-stop", daemon=True).start()
             threading.Thread(target=_watchdog, args=(SHUTDOWN_BOUND_S,), name="localrun-watchdog", daemon=True).start()
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's, except that a signal the server has shut down for is not raised again
+        afterwards: a SIGTERM or Ctrl+C that ended in a clean shutdown (every model
+        unloaded) exits 0, as a service manager expects; the watchdog's exit stays 1."""
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
     def _stop_models(self) -> None:
         for model in list(self.manager.loaded.values()):
