@@ -11,7 +11,7 @@ Plain localrun rows run with prompt-lookup speculation off (the peers have none)
 n-prompt tokens of KV, as every other engine here does, instead of from an empty cache.
 
 GGUF rows: localrun's llama.cpp backend, native `llama-bench` built from the same llama.cpp
-source (scripts/build_llama_bench.sh), and llama-cpp-python's high-level `Llama`; both
+source (scripts/build_llama_tools.sh), and llama-cpp-python's high-level `Llama`; both
 attend with the flash-attention setting localrun's backend chose (backends/attention.py),
 so that a ratio compares engines, not attention kernels.
 MLX rows: localrun's MLX backend and `mlx_lm.stream_generate`.
@@ -231,7 +231,7 @@ def main() -> int:
                     help="llama-bench decode at depth n-prompt (-d), as the other engines decode")
     ap.add_argument("--lookup", action="store_true",
                     help="add a localrun row with prompt-lookup speculation on (off in the plain row)")
-    ap.add_argument("--llama-bench", help="path to llama-bench (default: built by build_llama_bench.sh)")
+    ap.add_argument("--llama-bench", help="path to llama-bench (default: built by build_llama_tools.sh)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, n-gen 32 (MLX p64/n16), smollm2 only")
     ap.add_argument("--out", default="bench-results.json")
     a = ap.parse_args()
@@ -261,7 +261,7 @@ def main() -> int:
     if not a.skip_native:
         a.llama_bench = llama_bench_path(a.llama_bench)
         if not a.llama_bench.is_file():
-            print(f"note: {a.llama_bench} not found; build it with `bash scripts/build_llama_bench.sh`"
+            print(f"note: {a.llama_bench} not found; build it with `bash scripts/build_llama_tools.sh`"
                   " (~10-20 min on 2 cores) or pass --skip-native / --llama-bench PATH", file=sys.stderr)
             a.skip_native = True
 

@@ -18,7 +18,7 @@ as localrun's backend chose it for this machine and cache, see backends/attentio
                             as it stands, not with the edits the answer made to it (not in the
                             default set; it prints what learning edits buys)
   ls_simple / ls_mod / ls_plain
-                            llama-server (scripts/build_llama_bench.sh builds it from the
+                            llama-server (scripts/build_llama_tools.sh builds it from the
                             llama.cpp that llama-cpp-python vendors) with `--spec-type
                             ngram-simple`, `--spec-type ngram-mod` (their default draft
                             settings) and without speculation, driven through /completion
@@ -510,7 +510,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smollm2, 1 repeat, 64 tokens, unless given otherwise")
     ap.add_argument("--identity-only", action="store_true",
                     help="no timing: the identity check only, with localrun and llama-server")
-    ap.add_argument("--llama-server", help="llama-server binary (default: the one build_llama_bench.sh builds)")
+    ap.add_argument("--llama-server", help="llama-server binary (default: the one build_llama_tools.sh builds)")
     ap.add_argument("--out", default="bench-lookup.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -528,7 +528,7 @@ def main(argv=None):
     if any(e.startswith("ls_") for e in engines):
         server = llama_server_path(args.llama_server)
         if not os.access(server, os.X_OK):
-            print(f"error: no llama-server at {server}: build it with `bash scripts/build_llama_bench.sh`, "
+            print(f"error: no llama-server at {server}: build it with `bash scripts/build_llama_tools.sh`, "
                   f"pass --llama-server PATH, or leave the ls_* engines out with --engines", file=sys.stderr)
             return 2
     resolved = [resolve_model(m) for m in models]

@@ -4,7 +4,7 @@
 For each model, in one run and one process: decode tok/s of localrun with greedy, with
 the default chain (top-k 40, top-p 0.95, min-p 0.05, temp 0.8, repeat penalty 1.1),
 and with that chain under a JSON schema vs without; plus native llama-bench tg for the
-same model, threads and context depth when it is built (scripts/build_llama_bench.sh).
+same model, threads and context depth when it is built (scripts/build_llama_tools.sh).
 Prompt lookup is off so every step is one token. Median of --repeat interleaved rounds,
 and the round-by-round ratios' geometric mean with its 95% interval (chain / greedy:
 the issue's >= 0.97), and the ratio that the engine loop's measured cost outside decode

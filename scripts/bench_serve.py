@@ -218,7 +218,7 @@ def hardware_gain(model: Path, threads: int, sizes: list[int], tokens: int, repe
     }
     for name, (cmd, times) in jobs.items():
         if not cmd[0].is_file():
-            out[name + "_error"] = f"{cmd[0]} is not built (add {cmd[0].name} to scripts/build_llama_bench.sh)"
+            out[name + "_error"] = f"{cmd[0]} is not built (add {cmd[0].name} to scripts/build_llama_tools.sh)"
             continue
         samples: dict = {}  # batch size -> tokens/s of every run
         for _ in range(times):
@@ -316,7 +316,7 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4, help="slots on both servers")
     ap.add_argument("--ctx", type=int, default=4096, help="context per slot (the FIM file must fit)")
     ap.add_argument("--fim-tokens", type=int, default=1500, help="size of the /infill code file")
-    ap.add_argument("--llama-server", help="path to llama-server (default: built by build_llama_bench.sh)")
+    ap.add_argument("--llama-server", help="path to llama-server (default: built by build_llama_tools.sh)")
     ap.add_argument("--skip-native", action="store_true", help="localrun only")
     ap.add_argument("--skip-hardware", action="store_true", help="no llama-bench / llama-batched-bench run")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 32 tokens")
@@ -341,7 +341,7 @@ def main() -> int:
         ap.error(f"model {model} not found (python scripts/fetch_test_models.py fetches the test models)")
     exe = Path(a.llama_server or TOOLS / f"llama.cpp-{metadata.version('llama-cpp-python')}/build/bin/llama-server")
     if not a.skip_native and not exe.is_file():
-        ap.error(f"{exe} not found: build it with `bash scripts/build_llama_bench.sh` or pass --skip-native")
+        ap.error(f"{exe} not found: build it with `bash scripts/build_llama_tools.sh` or pass --skip-native")
     if os.getloadavg()[0] > 0.5:
         print(f"warning: load average {os.getloadavg()[0]:.1f}: other work skews every number", file=sys.stderr)
 

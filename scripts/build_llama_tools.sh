@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Build the native llama.cpp tools `llama-bench` and `llama-server` from the very
-# llama.cpp source that the installed llama-cpp-python vendors, so that benchmarks
-# compare localrun against the same kernels and not against some other llama.cpp.
+# Build the native llama.cpp tools from the very llama.cpp source that the installed
+# llama-cpp-python vendors, so that benchmarks and parity tests compare localrun against
+# the same kernels and not against some other llama.cpp.
 #
-#   bash scripts/build_llama_bench.sh            # prints the bin dir on its last line
-#   LOCALRUN_TOOLS=/some/dir bash scripts/build_llama_bench.sh
+#   bash scripts/build_llama_tools.sh            # every tool; prints the bin dir last
+#   bash scripts/build_llama_tools.sh llama-quantize llama-perplexity   # just these
+#   LOCALRUN_TOOLS=/some/dir bash scripts/build_llama_tools.sh
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 bash ...     # skip asking the installed package
+#
+# scripts/setup.sh builds the two the parity tests run (llama-quantize and
+# llama-perplexity); the benchmarks need llama-bench and llama-server: run it bare for those.
 #
 # The sdist of llama-cpp-python carries vendor/llama.cpp; we take it from PyPI with
 # `pip download --no-binary :all:` (the only place the source can come from here),
@@ -33,7 +37,15 @@ root="$tools/llama.cpp-$VER"
 src="$root/src"
 build="$root/build"
 bin="$build/bin"
-targets=(llama-bench llama-server llama-batched-bench llama-quantize llama-imatrix llama-perplexity)
+all_targets=(llama-bench llama-server llama-batched-bench llama-quantize llama-imatrix llama-perplexity)
+if (( $# )); then
+    targets=("$@")
+    for t in "${targets[@]}"; do
+        [[ " ${all_targets[*]} " == *" $t "* ]] || { echo "error: unknown tool $t (one of: ${all_targets[*]})" >&2; exit 2; }
+    done
+else
+    targets=("${all_targets[@]}")
+fi
 
 have_all() {
     local t
@@ -56,7 +68,7 @@ if [[ -d "$build" && "$(cat "$stamp" 2>/dev/null || echo none)" != "flags=$flags
 fi
 
 if have_all; then
-    echo "llama.cpp tools for llama-cpp-python $VER already built" >&2
+    echo "llama.cpp tools ${targets[*]} for llama-cpp-python $VER already built" >&2
     echo "$bin"
     exit 0
 fi

@@ -85,5 +85,10 @@ fi
 echo "$key" > "$stamp"
 "$VPY" scripts/fetch_test_models.py >/dev/null
 "$VPY" scripts/fetch_grammars.py >/dev/null
+# llama.cpp's own tools from the same vendored source, for the parity tests (quantize
+# and perplexity against localrun's): ~5 min on 2 cores the first time, cached in
+# ~/.cache/localrun/tools by version (and rebuilt if the compiler flags change).
+PYTHON="$VPY" LLAMA_CPP_PYTHON_VERSION="$LLAMA_CPP_PYTHON" \
+  bash scripts/build_llama_tools.sh llama-quantize llama-perplexity >/dev/null
 # the coding agents the agent tests drive (Claude Code, Codex CLI): pinned, from npm, cached
 bash scripts/install_agents.sh >/dev/null

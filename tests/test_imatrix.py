@@ -3,7 +3,6 @@ llama.cpp's imatrix GGUF format."""
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 from pathlib import Path
@@ -20,14 +19,17 @@ CHUNK = 64
 CHUNKS = 2
 
 
-def _llama_tool(name: str) -> str | None:
-    """A native llama.cpp tool built from the vendored source (scripts/build_llama_bench.sh)."""
+def _llama_tool(name: str) -> str:
+    """The native llama.cpp tool that scripts/setup.sh builds (scripts/build_llama_tools.sh)
+    from the source the installed llama-cpp-python vendors: that version's and no other."""
+    import llama_cpp
+
     roots = [os.environ.get("LOCALRUN_TOOLS", ""), str(Path.home() / ".cache" / "localrun" / "tools")]
     for root in filter(None, roots):
-        hits = sorted(glob.glob(os.path.join(root, "llama.cpp-*", "build", "bin", name)))
-        if hits:
-            return hits[-1]
-    return None
+        tool = Path(root) / f"llama.cpp-{llama_cpp.__version__}" / "build" / "bin" / name
+        if tool.is_file():
+            return str(tool)
+    pytest.fail(f"native {name} for llama-cpp-python {llama_cpp.__version__} is not built: run scripts/setup.sh")
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +135,6 @@ def test_llama_cpp_tools_read_it(imatrix_file, smollm2_gguf, tmp_path_factory, t
     from localrun.quant.quantize_gguf import quantize_gguf
 
     tool = _llama_tool("llama-quantize")
-    if tool is None:
-        pytest.skip("native llama-quantize not built (scripts/build_llama_bench.sh builds the llama.cpp tools)")
     cut = smollm2_cut_path(smollm2_gguf, tmp_path_factory)
     ref, mine = tmp_path / "ref.gguf", tmp_path / "mine.gguf"
     run = subprocess.run([tool, "--imatrix", str(imatrix_file), str(cut), str(ref), "Q4_K_S", "1"],
