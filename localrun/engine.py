@@ -67,7 +67,7 @@ class Engine:
         self._free = list(range(backend.n_seq))
         # DRY's breakers, resolved once per model; and lookup's edits that mirror a bracket
         self.token_text = TokenText.from_backend(backend)
-        self._budget_tokens: tuple[np.ndarray, np.ndarray] | None = None
+        self._budget_tokens: tuple[np.ndarray, ...] | None = None
         self.chat_template = chat_template or self.info.chat_template or chat_template_module.fallback_template(
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
@@ -460,7 +460,7 @@ class Engine:
             event.token_probs = [known[token] if token in known else g.sampler.token_prob(row, token)]
         return event
 
-    def budget_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+    def budget_tokens(self) -> tuple[np.ndarray, ...]:
         """json_budget.budget_tokens for this model's vocabulary, built on first use
         (`prepare` warms it off the scheduler thread for a JSON-schema request)."""
         if self._budget_tokens is None:

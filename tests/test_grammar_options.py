@@ -433,20 +433,23 @@ def test_an_answer_the_budget_would_cut_is_closed_as_valid_json(smollm2_engine_8
     assert sum(a.finish_reason == "length" for a in answers) >= 4, [(a.finish_reason, a.text) for a in answers]
 
 
-def test_the_budget_prefers_closing_then_unpadded_tokens():
-    pieces = [b'"', b'"]', b'"}\n', b"\n}", b" ", b",", b'",', b"]", b"}}", b"a", b"", b'["', b" a"]
-    closing, compact = budget_tokens(pieces, end_ids=[10])
+def test_the_budget_prefers_closing_then_punctuation_then_unpadded_tokens():
+    pieces = [b'"', b'"]', b'"}\n', b"\n}", b" ", b",", b'",', b"]", b"}}", b"a", b"", b'["', b" a", b"7", b'":']
+    closing, punctuation, compact = budget_tokens(pieces, end_ids=[10])
     assert [p for p, c in zip(pieces, closing) if c] == [b'"', b'"]', b'"}\n', b"\n}", b"]", b"}}", b""]
-    assert [p for p, c in zip(pieces, compact) if c] == [b'"', b'"]', b",", b'",', b"]", b"}}", b"a", b'["']
+    assert [p for p, c in zip(pieces, punctuation) if c] == [
+        b'"', b'"]', b'"}\n', b"\n}", b",", b'",', b"]", b"}}", b'["', b'":']
+    assert [p for p, c in zip(pieces, compact) if c] == [b'"', b'"]', b",", b'",', b"]", b"}}", b"a", b'["', b"7", b'":']
     row = np.arange(len(pieces), dtype=np.float32)
 
     def kept(allowed_ids):
         allowed = np.zeros(len(pieces), np.bool_)
         allowed[allowed_ids] = True
-        narrowed = narrow(row, allowed, (closing, compact))
+        narrowed = narrow(row, allowed, (closing, punctuation, compact))
         return None if narrowed is None else (np.flatnonzero(np.isfinite(narrowed[0])).tolist(), narrowed[1])
 
     assert kept([5, 7, 9]) == ([7], True)  # after an array item: "]" rather than "," or more of it
-    assert kept([5, 9, 12]) == ([5, 9], True)  # a required key still missing: no padding
+    assert kept([5, 13]) == ([5], True)  # a number with a required key still to come: "," ends it
+    assert kept([9, 12]) == ([9], True)  # a key's name: no padding
     assert kept([7]) == ([7], False)  # nothing else was allowed: the choice was not narrowed
     assert kept([4]) is None  # only padding: the grammar's row as it is
