@@ -37,9 +37,9 @@ from typing import Sequence
 
 import numpy as np
 
-from localrun import rpc
+from localrun.cluster import rpc
 from localrun.errors import BackendUnavailableError, CacheNotTrimmableError, DecodeError, ModelLoadError
-from localrun.formats import file_type_name
+from localrun.model.formats import file_type_name
 from localrun.hardware import OthersLoad, fitted_threads
 
 from . import check_kv_cache_type
@@ -117,7 +117,7 @@ class LlamaCppBackend:
         repack: bool = True,
     ) -> None:
         """workers: llama.cpp RPC workers to split the model over (None: the ones `--rpc`
-        registered for this process, if any; see localrun/rpc.py). repack=False keeps the
+        registered for this process, if any; see localrun/cluster/rpc.py). repack=False keeps the
         weights in their stored layout instead of the CPU's gemm layouts (slower; rows of a
         many-row step then drift less, see scripts/batch_drift.py)."""
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
@@ -200,7 +200,7 @@ class LlamaCppBackend:
                 self._devices = rpc.device_array(rpc.local_gpus())
                 mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
             return None
-        from localrun.model_facts import facts
+        from localrun.model.facts import facts
 
         placement = rpc.placement_for(cluster, facts(path).n_layer)
         if len(placement.devices) > _lc.llama_max_devices():

@@ -31,12 +31,12 @@ from localrun.errors import (
     ModelLoadError,
     UnsupportedFormatError,
 )
-from localrun.formats import check_kv_cache_type
+from localrun.model.formats import check_kv_cache_type
 
 from .base import DEFAULT_N_BATCH, BatchEntry, KvLedger, ModelInfo, check_batch
 
 if TYPE_CHECKING:
-    from localrun.rpc import Cluster
+    from localrun.cluster.rpc import Cluster
 
 _KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
 # llama.cpp's load parameters: MLXBackend names them so that one set of options opens a
@@ -407,7 +407,7 @@ class MLXBackend:
                     total += a.nbytes // a.shape[-2] * min(held, a.shape[-2])
         return total
 
-    # -- for tensor-parallel sharding (localrun/mlx_ring.py) ------------------------
+    # -- for tensor-parallel sharding (localrun/commands/mlx_ring.py) ------------------------
 
     @property
     def model(self):

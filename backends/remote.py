@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localrun import rpc
+from localrun.cluster import rpc
 from localrun.errors import BadRequestError, DecodeError, LocalrunError, ModelLoadError
 
 from .base import BatchEntry, KvLedger, ModelInfo, check_batch
@@ -144,7 +144,7 @@ def lost_message(cause: str, endpoints: Sequence[str], gone: Sequence[str]) -> s
 def _shared_rows_shape(path, n_seq: int) -> tuple[int, int]:
     """(rows, n_vocab) of the shared logits block, from the GGUF header's vocabulary; (0, 0)
     when the header does not say."""
-    from localrun.model_facts import facts
+    from localrun.model.facts import facts
 
     n_vocab = facts(str(path)).n_vocab or 0
     if not n_vocab:

@@ -2,7 +2,7 @@
 split over RPC workers and answers the parent's calls over two pipes.
 
 Why a process of its own: when a worker dies, ggml-rpc's client calls `GGML_ABORT` on its
-own threads and the process ends (localrun/rpc.py's abort hook makes that an `error:`
+own threads and the process ends (localrun/cluster/rpc.py's abort hook makes that an `error:`
 line and exit code 3). Here that process is this child, so the server that started it
 sees the pipe close and fails only the answers that used this model.
 
@@ -136,7 +136,7 @@ def host_main(path: str, options: dict, endpoints: list[tuple[str, int]], tensor
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="localrun-rpc-host parent watch",
                      daemon=True).start()
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     try:
         rpc.connect([rpc.Endpoint(h, p) for h, p in endpoints], tensor_split)  # probes first: one-line errors

@@ -11,43 +11,6 @@ from . import __version__
 from .errors import LocalrunError
 
 
-# a metavar for each repeatable kind of sampling flag
-_METAVARS = {"strings": "TEXT", "bias": "ID=BIAS"}
-
-
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    """One flag per sampler parameter declared with one (localrun.sampling.PARAMETERS):
-    numbers take a value and show their default; lists repeat; `--samplers` takes names."""
-    from .sampling import PARAMETERS
-
-    g = p.add_argument_group("sampling")
-    for spec in PARAMETERS:
-        if spec.flag is None:
-            continue
-        if spec.kind in ("int", "float"):
-            text = f"{spec.help + '; ' if spec.help else ''}default {spec.default}"
-            g.add_argument(spec.flag, dest=spec.name, type=int if spec.kind == "int" else float,
-                           default=spec.default, help=text)
-        elif spec.kind in _METAVARS:
-            g.add_argument(spec.flag, dest=spec.name, action="append", default=None, metavar=_METAVARS[spec.kind],
-                           help=spec.help)
-        else:
-            g.add_argument(spec.flag, dest=spec.name, default=None, help=spec.help)
-
-
-def _logit_bias(items: list[str] | None) -> list[tuple[str, float]]:
-    """--logit-bias ID=BIAS / TEXT=BIAS items as pairs; SamplingParams checks and adds them up."""
-    from .sampling import bias_item
-
-    pairs = []
-    for item in items or []:
-        try:
-            pairs.append(bias_item(item))
-        except ValueError:
-            raise LocalrunError(f"--logit-bias takes ID=BIAS or TEXT=BIAS, e.g. 15043=-5, got {item!r}") from None
-    return pairs
-
-
 def _add_constraints(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("constrained output (one of)").add_mutually_exclusive_group()
     g.add_argument("--grammar", metavar="FILE", help="a GBNF grammar file (llama.cpp syntax)")
@@ -68,7 +31,7 @@ def grammar_from_args(args: argparse.Namespace):
     """The Grammar the flags ask for, or None."""
     if not (args.grammar or args.json_schema or args.regex or args.json):
         return None
-    from .grammar import Grammar
+    from .grammar.core import Grammar
 
     if args.grammar:
         return Grammar.from_gbnf(_read_text(args.grammar, "grammar"))
@@ -100,43 +63,16 @@ def _add_model(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="load an MLX model whose config asks to run Python code shipped with it (model_file,"
                    " auto_map); that code runs with your rights (default: such models are refused)")
-    from .rpc_cli import add_rpc_flags
+    from .commands.rpc import add_rpc_flags
 
     add_rpc_flags(p)  # --rpc, --tensor-split
 
 
-def sampling_from_args(args: argparse.Namespace):
-    """SamplingParams from the sampling flags; a list flag not given keeps its default."""
-    from .sampling import PARAMETERS, SamplingParams
-
-    values = {}
-    for spec in PARAMETERS:
-        if spec.flag is None:
-            continue
-        value = getattr(args, spec.name)
-        if spec.kind == "bias":
-            value = _logit_bias(value)
-        elif spec.kind == "strings" and value is None:
-            continue
-        values[spec.name] = value
-    return SamplingParams(**values)
-
-
-def print_timings(timings, out=sys.stderr) -> None:
-    """The lines `ollama run --verbose` users know."""
-    print(f"prompt eval count:    {timings.prompt_tokens} token(s)", file=out)
-    print(f"prompt eval rate:     {timings.prefill_tps:.2f} tokens/s", file=out)
-    print(f"eval count:           {timings.generated_tokens} token(s)", file=out)
-    print(f"eval rate:            {timings.decode_tps:.2f} tokens/s", file=out)
-    print(f"time to first token:  {timings.ttft_ms:.2f} ms", file=out)
-    if timings.drafted:
-        print(f"draft acceptance:     {timings.accepted}/{timings.drafted} ({100 * timings.acceptance:.0f}%)", file=out)
-        print(f"tokens per step:      {timings.tokens_per_step:.2f}", file=out)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from .engine import Engine
+    from .generation import print_timings
     from .request import GenerationRequest
+    from .sampling.flags import sampling_from_args
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -146,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling=sampling_from_args(args), max_tokens=args.max_tokens, stop=args.stop,
         lookup=args.lookup, grammar=grammar_from_args(args),
     )
-    from .rpc_cli import apply_rpc_flags
+    from .commands.rpc import apply_rpc_flags
 
     apply_rpc_flags(args)  # --rpc workers: probed and registered before the model loads
     with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type,
@@ -173,10 +109,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from localrun.tui.app import run_chat  # the Textual app; the line REPL when piped
 
     if args.chat_template:  # a broken file is one error line before the app starts
-        from .chat_template import load_template_file
+        from .prompt.chat_template import load_template_file
 
         load_template_file(args.chat_template)
-    from .rpc_cli import apply_rpc_flags
+    from .commands.rpc import apply_rpc_flags
 
     apply_rpc_flags(args)
     return run_chat(args)
@@ -184,27 +120,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # Modules that add their own subcommands (`add_commands(subparsers)`); each imports only
 # argparse at load time, so `localrun --help` stays instant.
-COMMAND_MODULES = ["localrun.quant.cli", "localrun.server.command", "localrun.store_cli", "localrun.rpc_cli",
-                   "localrun.mlx_ring"]
+COMMAND_MODULES = ["localrun.quant.cli", "localrun.commands.serve", "localrun.commands.store", "localrun.commands.rpc",
+                   "localrun.commands.mlx_ring"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localrun", description="Run language models on your own machine.")
     parser.add_argument("--version", action="version", version=f"localrun {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from .sampling.flags import add_sampling_flags
 
     run = sub.add_parser("run", help="answer one prompt, streamed to stdout")
     _add_model(run)
     run.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin when omitted)")
     run.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     run.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
-    _add_sampling(run)
+    add_sampling_flags(run)
     _add_constraints(run)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal")
     _add_model(chat, optional=True)
-    _add_sampling(chat)
+    add_sampling_flags(chat)
     g = chat.add_argument_group("constrained output (one of; also set in the chat's settings)")
     g = g.add_mutually_exclusive_group()
     g.add_argument("--grammar", metavar="FILE", help="a GBNF grammar file (llama.cpp syntax)")

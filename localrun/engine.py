@@ -25,16 +25,18 @@ import numpy as np
 from localrun.backends import open_backend
 from localrun.backends.base import DEFAULT_N_BATCH, Backend, BatchEntry, DecodeInterrupted, ModelInfo
 
-from . import chat_template as chat_template_module
-from . import drift_cache, slots
+from .prompt import chat_template as chat_template_module
+from . import slots
+from .lookup import drift_cache
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
-from .grammar import GrammarMatcher, build_tokenizer
-from .json_budget import CLOSING_RESERVE, budget_tokens, narrow
+from .grammar.core import GrammarMatcher, build_tokenizer
+from .grammar.json_budget import CLOSING_RESERVE, budget_tokens, narrow
 from .request import GenerationRequest, prepare, request_or_options
+from .store.local import resolve_model
 from .sampling import Sampler, TokenText
-from .speculative import Acceptance, DraftController, margin_change
-from .step_cost import StepCost
+from .lookup.speculative import Acceptance, DraftController, margin_change
+from .lookup.step_cost import StepCost
 from .textstream import StopMatcher
 from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
 from .tools.model import ModelTools
@@ -109,7 +111,7 @@ class Engine:
         template = chat_template_module.load_template_file(chat_template) if chat_template is not None else None
         return cls(
             open_backend(
-                path, n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch, kv_cache_type=kv_cache_type,
+                resolve_model(str(path)), n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch, kv_cache_type=kv_cache_type,
                 trust_remote_code=trust_remote_code,
             ),
             chat_template=template,

@@ -6,14 +6,15 @@ methods here."""
 
 from __future__ import annotations
 
+import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import LocalrunError
-from .grammar import GrammarMatcher
+from .grammar.core import GrammarMatcher
 from .sampling import Sampler
-from .speculative import DraftController
+from .lookup.speculative import DraftController
 from .textstream import StopMatcher, Utf8Stream
 from .tools import ToolCall, ToolCallDelta
 from .tools.model import CallOutput
@@ -207,11 +208,6 @@ class Generation:
         """The backend's KV now holds n more of the history's tokens."""
         self.n_cached += n
 
-    def rewound(self, n_cached: int) -> None:
-        """The KV was cut back to its first n_cached tokens (rejected drafts, or a row
-        to recompute alone)."""
-        self.n_cached = n_cached
-
     def redo_alone(self, n_cached: int) -> None:
         """Cut back to n_cached, and feed the next token without a draft: its row from a
         wide step was too close to call exactly."""
@@ -274,3 +270,16 @@ class Generation:
         if reason == "stop" and self.cut_by_budget:
             reason = "length"
         self.finish_reason = reason
+
+
+def print_timings(timings: Timings, out=None) -> None:
+    """The lines `ollama run --verbose` users know (on stderr unless `out` is given)."""
+    out = sys.stderr if out is None else out
+    print(f"prompt eval count:    {timings.prompt_tokens} token(s)", file=out)
+    print(f"prompt eval rate:     {timings.prefill_tps:.2f} tokens/s", file=out)
+    print(f"eval count:           {timings.generated_tokens} token(s)", file=out)
+    print(f"eval rate:            {timings.decode_tps:.2f} tokens/s", file=out)
+    print(f"time to first token:  {timings.ttft_ms:.2f} ms", file=out)
+    if timings.drafted:
+        print(f"draft acceptance:     {timings.accepted}/{timings.drafted} ({100 * timings.acceptance:.0f}%)", file=out)
+        print(f"tokens per step:      {timings.tokens_per_step:.2f}", file=out)

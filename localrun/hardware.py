@@ -200,44 +200,6 @@ def _simd_flags() -> tuple[str, ...]:
     return ()
 
 
-def backend_report() -> list[tuple[str, str]]:
-    """(backend, what works) rows for `localrun doctor`; imports each runtime to see."""
-    rows: list[tuple[str, str]] = []
-    try:
-        import llama_cpp
-
-        info = llama_cpp.llama_print_system_info().decode(errors="replace")
-        builds = ["CPU"]
-        if "CUDA" in info:
-            builds.append("CUDA")
-        if "METAL" in info.upper():
-            builds.append("Metal")
-        offload = bool(llama_cpp.llama_supports_gpu_offload())
-        if offload and llama_cpp.llama_supports_rpc():  # llama.cpp counts RPC as offload: ask for a real GPU
-            from localrun.rpc import local_gpus
-
-            offload = bool(local_gpus())
-        rows.append(("llama.cpp", f"llama-cpp-python {llama_cpp.__version__}: {'+'.join(builds)} build"
-                                  f"{', GPU offload' if offload else ', no GPU offload'}"))
-    except Exception as exc:  # not installed or failed to load its shared library
-        rows.append(("llama.cpp", f"unusable: {exc}"))
-    try:
-        from localrun.rpc import availability
-
-        rows.append(("rpc", availability()[1]))
-    except Exception as exc:
-        rows.append(("rpc", f"unusable: {exc}"))
-    try:
-        import mlx.core as mx
-
-        metal = bool(mx.metal.is_available())
-        rows.append(("mlx", f"mlx {getattr(mx, '__version__', '?')}: {'Metal' if metal else 'CPU only'}"
-                            f" (default device {mx.default_device()})"))
-    except Exception as exc:
-        rows.append(("mlx", f"unusable: {exc}"))
-    return rows
-
-
 def format_bytes(n: float) -> str:
     return f"{n / GIB:.1f} GB" if n >= GIB else f"{n / (1 << 20):.0f} MB"
 

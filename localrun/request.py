@@ -69,7 +69,7 @@ model's tokenizer, so a tool set the model cannot take fails before any answer s
 
 Grammar compiles (issue 49): `prepare` compiles every grammar (GBNF, Lark, JSON schema,
 regex, the call grammar) for the model's tokenizer and builds its first mask, within
-llguidance's limits and `COMPILE_BUDGET_S` = 5 s (localrun.grammar) of compile time; a
+llguidance's limits and `COMPILE_BUDGET_S` = 5 s (localrun.grammar.core) of compile time; a
 compile past either is a 400 naming the field ('grammar', 'json_schema', 'regex' or
 'tools'). Engine.start then copies the ready start state.
 """
@@ -81,10 +81,10 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import BadRequestError
-from .grammar import COMPILE_BUDGET_S, Grammar, GrammarMatcher, build_tokenizer
+from .grammar.core import COMPILE_BUDGET_S, Grammar, GrammarMatcher, build_tokenizer
 from .sampling import SamplingParams
 from .sampling.declare import MAX_N_PROBS
-from .speculative import LookupConfig
+from .lookup.speculative import LookupConfig
 from .tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 
 MAX_STOP_STRINGS = 16

@@ -12,7 +12,7 @@
 - atomic.py: outputs written whole or not at all, and durably
 
 The tables the runtime reads (quant names, file types, KV cache types) live in the core,
-`localrun/formats.py`. This folder may use the core and `localrun.backends`' public
+`localrun/model/formats.py`. This folder may use the core and `localrun.backends`' public
 names; the backends never import from here (tests/test_packaging.py checks). Its modules load
 lazily so that `import localrun.quant` stays cheap: the heavy dependencies (gguf, mlx,
 tokenizers) load on first use.

@@ -3,7 +3,7 @@
 gguf's GGUFReader decodes every metadata value into numpy parts, ~7 s for a 49k-token
 vocabulary with its merges; a quantizer only has to copy those bytes. `kv_entries`
 returns each key with the raw bytes of its entry (key, type, value), located by
-localrun's one GGUF header reader (localrun.gguf_header: bounds-checked, with limits),
+localrun's one GGUF header reader (localrun.model.gguf_header: bounds-checked, with limits),
 and `GGUFOut` writes a GGUF v3 from such raw entries plus new typed values, then the
 tensor infos and the tensor data, one tensor at a time.
 """
@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from localrun.gguf_header import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, open_regular, read_header
+from localrun.model.gguf_header import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, open_regular, read_header
 
 __all__ = ["ARRAY", "BOOL", "FLOAT32", "GGUFOut", "INT32", "STRING", "UINT32", "encode_kv", "kv_entries"]
 

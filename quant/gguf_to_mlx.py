@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import secrets
 import shutil
@@ -27,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from localrun.gguf_check import check_gguf
+from localrun.model.gguf_check import check_gguf
 from localrun.errors import (
     BadRequestError,
     LocalrunError,

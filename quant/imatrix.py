@@ -144,7 +144,7 @@ def compute_imatrix(
     import llama_cpp as lc
 
     from localrun.backends.llamacpp import init_llama
-    from localrun.gguf_check import check_gguf
+    from localrun.model.gguf_check import check_gguf
 
     model = Path(model).expanduser()
     if not model.is_file():

@@ -91,7 +91,7 @@ def load_imatrix(path: str | os.PathLike) -> ImportanceMatrix:
     """Read an imatrix GGUF written by localrun or by llama.cpp's `llama-imatrix`."""
     import gguf
 
-    from localrun.gguf_check import check_gguf
+    from localrun.model.gguf_check import check_gguf
 
     path = Path(path).expanduser()
     if not path.is_file():

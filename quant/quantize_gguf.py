@@ -57,7 +57,7 @@ class QuantizeResult:
 
 def open_source(src: Path):
     """The validated summary of a model GGUF; typed errors for missing or broken files."""
-    from localrun.gguf_check import check_gguf
+    from localrun.model.gguf_check import check_gguf
 
     if not src.is_file():
         raise ModelNotFoundError(f"no such model file: {src}")

@@ -35,7 +35,7 @@ class FileType:
     base: T  # what an ordinary matrix gets
 
 
-# Every file type a user picks, with llama.cpp's ftype numbers (localrun/formats.py names them).
+# Every file type a user picks, with llama.cpp's ftype numbers (localrun/model/formats.py names them).
 FILE_TYPES: dict[str, FileType] = {
     f.name: f
     for f in [

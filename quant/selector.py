@@ -29,7 +29,7 @@ from pathlib import Path
 from localrun.errors import BadRequestError, LocalrunError
 from localrun.hardware import GIB, Hardware, format_bytes, probe
 from localrun.backends.base import DEFAULT_N_BATCH
-from localrun.formats import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
+from localrun.model.formats import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
 from localrun.backends.attention import attention_scores_bytes, flash_attention_choice
 
 MIB = 1 << 20
@@ -74,8 +74,8 @@ class ModelShape:
 
 def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
     """From a GGUF header (metadata and tensor infos): the model facts
-    (localrun.model_facts), with each block's share of the weight bytes."""
-    from localrun.model_facts import gguf_facts
+    (localrun.model.facts), with each block's share of the weight bytes."""
+    from localrun.model.facts import gguf_facts
 
     f = gguf_facts(metadata, tensors)
     n_layer = f.n_layer
@@ -96,7 +96,7 @@ def shape_from_gguf(metadata: dict, tensors) -> ModelShape:
 
 
 def shape_from_mlx_config(config: dict) -> ModelShape:
-    from localrun.model_facts import mlx_config_facts
+    from localrun.model.facts import mlx_config_facts
 
     f = mlx_config_facts(config)
     if f.n_layer <= 0:
@@ -119,7 +119,7 @@ def _shape_cached(path: str, mtime: float) -> ModelShape:
         import json
 
         return shape_from_mlx_config(json.loads((p / "config.json").read_text(encoding="utf-8")))
-    from localrun.gguf_check import check_gguf
+    from localrun.model.gguf_check import check_gguf
 
     summary = check_gguf(p)
     return shape_from_gguf(summary.metadata, summary.tensors)
@@ -135,7 +135,7 @@ def weights_bytes(path: Path) -> int:
     path = Path(path)
     if path.is_dir():
         return sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    from localrun.store import split_parts
+    from localrun.model.formats import split_parts
 
     return sum(p.stat().st_size for p in (split_parts(path) or [path]))
 
@@ -392,9 +392,9 @@ class DeviceShare:
 def split_estimate(shape: ModelShape, est: Estimate, local_free: int, workers: list[tuple[str, int]],
                    tensor_split: tuple[float, ...] | None = None) -> list[DeviceShare]:
     """Each machine's part of `est` when its layers are split as the llama.cpp backend
-    splits them (localrun.rpc.plan: by free memory, or --tensor-split; this machine keeps
+    splits them (localrun.cluster.rpc.plan: by free memory, or --tensor-split; this machine keeps
     the first layers, the token embeddings and the output head: rpc.head_override)."""
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     fake = tuple(rpc.Worker(rpc.Endpoint(name.rpartition(":")[0], int(name.rpartition(":")[2] or 0)), rpc.Hello(None),
                             (rpc.Device(0, name, name, free, free),)) for name, free in workers)

@@ -29,9 +29,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from backends.base import BatchEntry  # noqa: E402
-from backends.llamacpp import LlamaCppBackend  # noqa: E402
-from localrun.speculative import margin_change  # noqa: E402
+from localrun.backends.base import BatchEntry  # noqa: E402
+from localrun.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from localrun.lookup.speculative import margin_change  # noqa: E402
 from lookup_tasks import prompt_texts  # noqa: E402
 
 PREFILL_CHUNK = 256

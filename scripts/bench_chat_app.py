@@ -8,7 +8,7 @@ or app each time:
        `eval rate` from its timings.
   app  the real chat app answering the same question as the only turn of a new chat:
        --driver tmux (default when tmux is installed) runs the real `localrun chat`
-         command (`python -m localrun.tui.app`) in a tmux terminal, types the question,
+         command (`python -m localrun chat`) in a tmux terminal, types the question,
          and reads tok/s from the status bar when the answer is saved. The terminal,
          its escape sequences and tmux itself cost CPU as they do for a user.
        --driver pilot runs the same ChatApp in this process with Textual's headless
@@ -157,7 +157,7 @@ def saved_answer(data: Path) -> str | None:
 def run_app_tmux(args, tmp: Path, prompt_tokens: int) -> Run:
     env = isolated_env(tmp)
     name = f"localrun-bench-{uuid.uuid4().hex[:8]}"
-    command = " ".join([sys.executable, "-m", "localrun.tui.app", *map(_quote, flags(args))])
+    command = " ".join([sys.executable, "-m", "localrun", "chat", *map(_quote, flags(args))])
     passed = [a for var in ("LOCALRUN_DATA", "LOCALRUN_MODELS", "HF_HUB_CACHE", "LOCALRUN_LMSTUDIO_MODELS")
               for a in ("-e", f"{var}={env[var]}")]
     subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", str(SCREEN[0]), "-y", str(SCREEN[1]),

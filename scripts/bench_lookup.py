@@ -149,7 +149,7 @@ def _strip_stop(tokens, stops) -> list[int]:
 def make_engines(job, eng, stops, servers, log_dir):
     """engine name -> run(prompt, n_max, timed) -> {"tokens", "decode_tps", ...}."""
     from localrun.sampling import SamplingParams
-    from localrun.speculative import LookupConfig
+    from localrun.lookup.speculative import LookupConfig
     greedy = SamplingParams(temperature=0.0)
     flash_attn = eng.backend.flash_attn  # "on" / "off" / "auto": every engine attends the same way
 
@@ -256,7 +256,7 @@ def measure_batch_drift(eng, prompts):
     that once per model. Pay it here, untimed, so that timed runs show the speed every
     later run has."""
     from localrun.sampling import SamplingParams
-    from localrun.speculative import LookupConfig
+    from localrun.lookup.speculative import LookupConfig
 
     for name in ("edit", "rename", *prompts):
         if not eng.drift.calibrating:

@@ -170,7 +170,7 @@ def main() -> int:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     ok, why = rpc.availability()
     if not ok:

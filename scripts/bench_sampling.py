@@ -68,7 +68,7 @@ def bench_model(path: Path, threads: int, n_gen: int, repeat: int) -> dict:
     read that drift as a difference between settings. The order rotates by round.
     llama-bench decodes at the same context depth as our runs (after the prompt)."""
     from localrun.engine import Engine
-    from localrun.grammar import Grammar
+    from localrun.grammar.core import Grammar
     from localrun.sampling import SamplingParams
 
     chain = dict(top_k=40, top_p=0.95, min_p=0.05, temperature=0.8, repeat_penalty=1.1, seed=1)

@@ -6,9 +6,9 @@
 Issue 49: llguidance's default JSON grammar takes any whitespace between tokens, and a
 sampled answer could wander into blank lines until max_tokens cut it as invalid JSON
 (SmolLM2, temperature 0.9, one seed in three). localrun's JSON grammars now allow one
-newline and at most 20 spaces or tabs there (localrun.grammar.JSON_WHITESPACE), and an
+newline and at most 20 spaces or tabs there (localrun.grammar.core.JSON_WHITESPACE), and an
 answer that loops in an array until max_tokens is closed in its last tokens
-(localrun.json_budget). For each model this samples one answer per seed (all seeds of a
+(localrun.grammar.json_budget). For each model this samples one answer per seed (all seeds of a
 model decode together, one slot each) and prints how many stopped on their own, how many
 are valid JSON that validates against the schema, and how many hold a blank line
 ("\\n\\n", which the grammar forbids).
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jsonschema  # noqa: E402
 
 from localrun.engine import Engine  # noqa: E402
-from localrun.grammar import Grammar  # noqa: E402
+from localrun.grammar.core import Grammar  # noqa: E402
 from localrun.request import GenerationRequest, prepare  # noqa: E402
 from localrun.sampling import SamplingParams  # noqa: E402
 

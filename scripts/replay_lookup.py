@@ -13,7 +13,7 @@ the longest prompt under-prices wide steps for the shorter ones.
 
 Why: decode speed on a shared 2-core machine moves by +-15% from run to run, more than
 what separates two drafting rules, and where a wide step's row breaks a near-tie the
-other way, the answer itself changes (see localrun/speculative.py, "Temperature 0").
+other way, the answer itself changes (see localrun/lookup/speculative.py, "Temperature 0").
 Here every rule drafts against the same answer (the one lookup off gives), the verdict
 on a draft is how far it agrees with that answer, and a plan costs the sum of its steps'
 measured ratios. So "x" below is what a plan would decode at over lookup off if a step
@@ -105,7 +105,7 @@ class Session:
 
     def __init__(self, table: CostTable, drift: Drift | None = None, clock_ms: float = 0.0,
                  control: frozenset[int] = frozenset()) -> None:
-        from localrun.speculative import Acceptance, StepCost
+        from localrun.lookup.speculative import Acceptance, StepCost
 
         self.table, self.acceptance, self.step_cost = table, Acceptance(), StepCost()
         self.drift, self.clock_ms = drift, clock_ms
@@ -210,7 +210,7 @@ def replay(rule: str, prompt: list[int], answer: list[int], session: Session, ma
     first token comes from the prompt's step, as in the engine; each decode step then
     feeds the pending token and a draft, and yields the draft's agreeing prefix plus one."""
     from localrun.engine import _common_prefix
-    from localrun.speculative import DraftController, LookupConfig
+    from localrun.lookup.speculative import DraftController, LookupConfig
 
     ctrl = (DraftController(LookupConfig(), session.step_cost, session.acceptance, answer_start=len(prompt),
                             control=session.control)

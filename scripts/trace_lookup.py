@@ -51,7 +51,7 @@ class Tracer:
             self._quiet = []
 
     def decision(self, ctrl, history: list[int], draft: list[int], match: int) -> None:
-        from localrun.speculative import slot_label
+        from localrun.lookup.speculative import slot_label
 
         slot = ctrl.priced  # its band, and whether the match is a phrase of the answer's own
         band = slot_label(slot) if slot >= 0 else "-"
@@ -81,7 +81,7 @@ class Tracer:
 def traced(engine, tracer: Tracer):
     """The engine's draft controllers and step-cost record report to `tracer` while
     `tracer.on`."""
-    from localrun.speculative import DraftController
+    from localrun.lookup.speculative import DraftController
 
     draft, record = DraftController.draft, DraftController.record
     observe = engine.step_cost.observe

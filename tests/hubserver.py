@@ -248,35 +248,21 @@ def _make_handler(server: HubServer):
     return Handler
 
 
-# -- running the CLI with the store commands registered -----------------------------
-# (until localrun.cli lists localrun.store_cli in COMMAND_MODULES, tests add it here)
-
-CLI_CODE = (
-    "import sys\n"
-    "from localrun import cli\n"
-    "if 'localrun.store_cli' not in cli.COMMAND_MODULES: cli.COMMAND_MODULES.append('localrun.store_cli')\n"
-    "sys.exit(cli.main(sys.argv[1:]))\n"
-)
+# -- running the CLI --------------------------------------------------------------------
 
 
 def cli_command(*args: str) -> list[str]:
     """argv for a subprocess running `localrun ARGS...` (a fresh interpreter: env read at import)."""
     import sys
 
-    return [sys.executable, "-c", CLI_CODE, *args]
+    return [sys.executable, "-m", "localrun", *args]
 
 
 def run_cli(argv: list[str]) -> int:
     """`localrun ARGV` in this process; returns the exit code."""
-    from unittest import mock
-
     from localrun import cli
 
-    modules = list(cli.COMMAND_MODULES)
-    if "localrun.store_cli" not in modules:
-        modules.append("localrun.store_cli")
-    with mock.patch.object(cli, "COMMAND_MODULES", modules):
-        return cli.main(argv)
+    return cli.main(argv)
 
 
 def main() -> None:

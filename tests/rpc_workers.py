@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from localrun import rpc
+from localrun.cluster import rpc
 
 PROMPT = "Name three colours."
 GREEDY = ["--temperature", "0", "--max-tokens", "24", "--no-lookup", "--ctx", "512", "--threads", "1"]

@@ -10,8 +10,10 @@ from datetime import datetime
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from localrun import chat_template, template_budget
-from localrun.chat_template import CHATML, GEMMA, OVERRIDE_HINT, render
+from localrun.prompt import chat_template
+
+from localrun.prompt import template_budget
+from localrun.prompt.chat_template import CHATML, GEMMA, OVERRIDE_HINT, render
 from localrun.errors import BadRequestError
 
 from fakes import ScriptedBackend

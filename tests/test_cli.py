@@ -145,7 +145,8 @@ def test_convert_rejects_unknown_target(smollm2_gguf, tmp_path):
 
 
 def test_top_n_sigma_flag_parses_and_bad_values_are_one_line(smollm2_gguf):
-    from localrun.cli import build_parser, sampling_from_args
+    from localrun.cli import build_parser
+    from localrun.sampling.flags import sampling_from_args
 
     args = build_parser().parse_args(["run", "model.gguf", "--top-n-sigma", "1.5", "--samplers", "top_n_sigma;temp"])
     p = sampling_from_args(args)

@@ -11,7 +11,7 @@ import sys
 import jsonschema
 import pytest
 
-from localrun.grammar import Grammar
+from localrun.grammar.core import Grammar
 from localrun.sampling import SamplingParams
 
 SCHEMA = {

@@ -34,7 +34,7 @@ def _tensors(path: Path) -> dict:
     """name -> (ggml type, float32 array) for an F16/F32/Q8_0 GGUF, without GGUFReader's slow KV decode."""
     from gguf.quants import dequantize
 
-    from localrun.gguf_check import check_gguf
+    from localrun.model.gguf_check import check_gguf
 
     s = check_gguf(path)
     mm = np.memmap(path, np.uint8, mode="r")

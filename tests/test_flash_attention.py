@@ -5,9 +5,9 @@ LOCALRUN_FLASH_ATTN over all of it."""
 import numpy as np
 import pytest
 
-from backends.base import BatchEntry
-from backends.attention import CPU_SCORES_MAX_BYTES, FLASH_ATTN_ENV, flash_attention_choice
-from backends.llamacpp import LlamaCppBackend
+from localrun.backends.base import BatchEntry
+from localrun.backends.attention import CPU_SCORES_MAX_BYTES, FLASH_ATTN_ENV, flash_attention_choice
+from localrun.backends.llamacpp import LlamaCppBackend
 from localrun.errors import ModelLoadError
 
 

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from gguf.quants import quantize
 
-from localrun import gguf_header
+from localrun.model import gguf_header
 from localrun.errors import LocalrunError, MalformedModelError, ModelNotFoundError, UnsupportedFormatError
-from localrun.gguf_check import (ArrayInfo, GGUFHeader, MalformedGGUFError, TensorInfo, check_gguf, is_gguf,
+from localrun.model.gguf_check import (ArrayInfo, GGUFHeader, MalformedGGUFError, TensorInfo, check_gguf, is_gguf,
                                  split_part_paths)
-from localrun.gguf_header import MAX_HEADER_BYTES, SMALL_ARRAY, NeedMoreBytes, read_header, read_header_prefix
+from localrun.model.gguf_header import MAX_HEADER_BYTES, SMALL_ARRAY, NeedMoreBytes, read_header, read_header_prefix
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 F16 = gguf.GGMLQuantizationType.F16

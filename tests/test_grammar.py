@@ -1,4 +1,4 @@
-"""Constrained decoding (localrun.grammar): grammar sources and their errors, the
+"""Constrained decoding (localrun.grammar.core): grammar sources and their errors, the
 tokenizer built from each backend, the matcher's state moves, and seeded generations
 on real models (and random walks through MLX's masks) whose every finished output must
 parse.
@@ -19,7 +19,7 @@ import pytest
 from conftest import MODELS
 from localrun.backends.base import BatchEntry
 from localrun.errors import BadRequestError
-from localrun.grammar import Grammar, GrammarMatcher, build_tokenizer
+from localrun.grammar.core import Grammar, GrammarMatcher, build_tokenizer
 
 GRAMMARS = MODELS / "grammars"
 GBNF_FILES = sorted(GRAMMARS.glob("*.gbnf")) if GRAMMARS.is_dir() else []

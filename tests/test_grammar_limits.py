@@ -1,4 +1,4 @@
-"""Grammars from a request cannot hang or crash the process (localrun.grammar).
+"""Grammars from a request cannot hang or crash the process (localrun.grammar.core).
 
 Pre-processing is linear (unclosed literals and classes, thousands of rules), every size
 cap answers with one line naming its constant, a grammar over llguidance's limits is
@@ -26,9 +26,10 @@ import numpy as np
 import pytest
 
 from fakes import EOS, ScriptedBackend, make_info
-from localrun import gbnf, grammar
+from localrun.grammar import gbnf
+from localrun.grammar import core as grammar
 from localrun.errors import BadRequestError
-from localrun.grammar import Grammar, GrammarMatcher, build_tokenizer
+from localrun.grammar.core import Grammar, GrammarMatcher, build_tokenizer
 
 GUARD_S = 10
 REPO = Path(__file__).resolve().parents[1]
@@ -282,7 +283,7 @@ DEEP_CHAIN = textwrap.dedent(
     import sys
     sys.path.insert(0, "tests")
     from fakes import EOS, ScriptedBackend, make_info
-    from localrun.grammar import Grammar, GrammarMatcher, build_tokenizer
+    from localrun.grammar.core import Grammar, GrammarMatcher, build_tokenizer
     n = 8000  # about 100 KiB of Lark
     lark = "%llguidance {}\\nstart: r1\\n" + "".join(f"r{i}: r{i + 1}\\n" for i in range(1, n)) + f'r{n}: "a"\\n'
     n = 5000  # about 180 KiB of JSON

@@ -1,7 +1,7 @@
 """Issue 49, part A: localrun owns llguidance's options, every grammar is compiled in
 `prepare` (off the scheduler thread), and JSON output has bounded whitespace.
 
-- Every grammar text is made by `localrun.grammar.lark_spec`: a scan of the source tree
+- Every grammar text is made by `localrun.grammar.core.lark_spec`: a scan of the source tree
   fails on any other place that builds one (llguidance's builders, `%llguidance` or
   `x-guidance` text), and a request's `%llguidance` line may not set an option.
 - The two attacks of the issue (a grammar that turned forcing back on; a tool schema of
@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import localrun.grammar as grammar_module
+import localrun.grammar.core as grammar_module
 from localrun.engine import Engine
 from localrun.errors import BadRequestError
-from localrun.grammar import LLG_OPTIONS, Grammar, GrammarMatcher, build_tokenizer, lark_spec
-from localrun.json_budget import budget_tokens, narrow
+from localrun.grammar.core import LLG_OPTIONS, Grammar, GrammarMatcher, build_tokenizer, lark_spec
+from localrun.grammar.json_budget import budget_tokens, narrow
 from localrun.request import GenerationRequest, prepare
 from localrun.sampling import SamplingParams
 from localrun.tools import HERMES, ToolChoice, call_grammar, parse_tools
@@ -54,10 +54,10 @@ SCANNED = ("localrun", "backends", "quant", "tui")
 # that name, localrun.server.fields.grammar_from)
 BUILDERS = {"grammar_from_lark", "grammar_from_json_schema", "grammar_from_regex",
             "validate_grammar", "LLMatcher", "LLInterpreter", "regex_to_lark"}
-CONSTRUCTOR = ("localrun/grammar.py", "lark_spec")  # the only function that may call grammar_from_lark
+CONSTRUCTOR = ("localrun/grammar/core.py", "lark_spec")  # the only function that may call grammar_from_lark
 # text that sets llguidance options (a Lark options line) or JSON-schema layout
 OPTION_TEXT = ("%llguidance", "x-guidance")
-LLGUIDANCE_IMPORTERS = {"localrun/grammar.py", "localrun/gbnf.py"}  # gbnf.py: the GBNF converter only
+LLGUIDANCE_IMPORTERS = {"localrun/grammar/core.py", "localrun/grammar/gbnf.py"}  # gbnf.py: the GBNF converter only
 
 
 def grammar_builders(root: Path, files) -> list[str]:
@@ -123,7 +123,7 @@ def test_the_scan_finds_each_kind_of_bypass(tmp_path):
         "b.py": 'LINES = ["%llguidance {}", "start: x"]\n',
         "c.py": 'def s(p):\n    return {**p, "x-guidance": {"whitespace_flexible": True}}\n',
         "d.py": 'from llguidance import LLMatcher\n',
-        "localrun/grammar.py": 'def other(t):\n    return _llg.LLMatcher.grammar_from_lark(t)\n',
+        "localrun/grammar/core.py": 'def other(t):\n    return _llg.LLMatcher.grammar_from_lark(t)\n',
         "ok.py": 'def f():\n    """Write %llguidance {} first."""\n    raise ValueError("use %llguidance {}")\n',
     }
     for rel, text in bypasses.items():
@@ -201,7 +201,7 @@ ATTACKS = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a regression fails here, not the machine
     from localrun.engine import Engine
     from localrun.errors import BadRequestError
-    from localrun.grammar import Grammar, build_tokenizer
+    from localrun.grammar.core import Grammar, build_tokenizer
     from localrun.request import GenerationRequest, prepare
     from localrun.sampling import SamplingParams
 

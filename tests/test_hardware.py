@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from localrun import hardware
+from localrun.commands.store import backend_report
 from localrun.hardware import parse_cpuinfo, parse_nvidia_smi, probe
 
 X86_CPUINFO = """processor\t: 0
@@ -73,7 +73,7 @@ def test_nvidia_gpu_found_through_nvidia_smi(tmp_path, monkeypatch):
 
 
 def test_backend_report_names_both_runtimes():
-    rows = dict(hardware.backend_report())
+    rows = dict(backend_report())
     assert rows["llama.cpp"].startswith("llama-cpp-python") and "build" in rows["llama.cpp"]
     assert rows["mlx"].startswith("mlx")
 
@@ -81,7 +81,7 @@ def test_backend_report_names_both_runtimes():
 def test_backend_report_says_whether_rpc_workers_can_be_used():
     import llama_cpp
 
-    row = dict(hardware.backend_report())["rpc"]
+    row = dict(backend_report())["rpc"]
     if llama_cpp.llama_supports_rpc():
         assert row.startswith("available") and "rpc-worker" in row
     else:  # the CPU-only build: doctor says how to get RPC

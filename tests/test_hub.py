@@ -15,11 +15,11 @@ import pytest
 
 from hubserver import COMMIT, Fault, HubServer, cli_command, run_cli
 from syncs import record_syncs
-from localrun import hub
+from localrun.store import hub
 from localrun.errors import ModelNotFoundError
-from localrun.hub import DownloadError, list_repo, plan_pull, pull, remote_shape, safe_relpath, variants
+from localrun.store.hub import DownloadError, list_repo, plan_pull, pull, remote_shape, safe_relpath, variants
 from localrun.quant.selector import Budget, model_shape
-from localrun.store import list_models, resolve_model
+from localrun.store.local import list_models, resolve_model
 
 SMOL = "test-org/SmolLM2-135M-Instruct-GGUF"
 Q4 = "SmolLM2-135M-Instruct-Q4_1.gguf"
@@ -388,7 +388,7 @@ def test_cli_fit_lists_every_quant_of_a_hub_repo(hubenv):
 
 
 def test_variants_group_splits_and_skip_what_cannot_load():
-    from localrun.hub import RepoFile
+    from localrun.store.hub import RepoFile
 
     files = [RepoFile(p, 1, "0" * 64, None) for p in (
         "x-Q4_K_M.gguf", "x-Q4_K_M-old.gguf",  # one quant twice: the plainest name

@@ -9,9 +9,9 @@ import dataclasses
 from unittest.mock import patch
 
 from localrun.engine import Engine
-from localrun.lookup_edits import LearnedEdits
+from localrun.lookup.edits import LearnedEdits
 from localrun.sampling import SamplingParams, TokenText
-from localrun.speculative import BatchDrift, DraftController, LookupConfig, NgramIndex
+from localrun.lookup.speculative import BatchDrift, DraftController, LookupConfig, NgramIndex
 
 from fakes import EOS, ScriptedBackend
 

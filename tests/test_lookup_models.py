@@ -7,7 +7,7 @@ import numpy as np
 
 from localrun.backends.base import BatchEntry
 from localrun.sampling import SamplingParams
-from localrun.speculative import LookupConfig
+from localrun.lookup.speculative import LookupConfig
 
 GREEDY = SamplingParams(temperature=0)
 TEXT = (

@@ -24,7 +24,7 @@ import pytest
 from localrun.backends.base import BatchEntry
 from localrun.engine import Engine
 from localrun.sampling import Sampler, SamplingParams
-from localrun.speculative import LookupConfig
+from localrun.lookup.speculative import LookupConfig
 
 TEXT = (
     "The committee approved the new budget on Tuesday. The budget funds three new parks, "

@@ -1,4 +1,4 @@
-"""One answer to "what is this model": localrun.model_facts, read from GGUF headers and MLX
+"""One answer to "what is this model": localrun.model.facts, read from GGUF headers and MLX
 folders, and the same answer for the store (`show`), /api/show, the selector and `pull`.
 
 The expected numbers of the real test models are what the four old code paths computed
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from localrun.errors import MalformedModelError, UnsupportedFormatError
-from localrun.gguf_header import NeedMoreBytes, read_header_prefix
-from localrun.model_facts import ModelFacts, facts, gguf_facts, mlx_config_facts
+from localrun.model.gguf_header import NeedMoreBytes, read_header_prefix
+from localrun.model.facts import ModelFacts, facts, gguf_facts, mlx_config_facts
 
 SMOL = dict(architecture="llama", n_params=134_515_008, context_length=8192, n_layer=30, n_head=9, n_head_kv=3,
             head_dim=64, head_dim_v=64, n_embd=576, n_ff=1536, n_vocab=49152, sliding_window=None,
@@ -102,7 +102,7 @@ def test_every_reader_answers_the_same(smollm2_gguf, smollm2_mlx, gemma3_gguf, q
     """The store's `show`, /api/show's description and the selector's shape read one set of facts."""
     from localrun.quant.selector import model_shape
     from localrun.server.describe import describe
-    from localrun.store import model_facts as show_facts
+    from localrun.store.local import model_facts as show_facts
 
     for path in (smollm2_gguf, smollm2_mlx, gemma3_gguf, qwen_coder_gguf):
         f = facts(path)

@@ -126,3 +126,116 @@ def test_the_import_check_sees_what_it_must(tmp_path, monkeypatch):
         "backends/b.py:2 imports localrun.quant.selector: the backends never depend on quant/",
         "quant/q.py:1 imports _private from localrun.backends.b, another package's private name",
     ]
+
+
+# -- floors: which rooms may import which ------------------------------------------------
+
+# Every room of the package and its floor. A module imports only from its own floor or
+# below, and the rooms' imports form no circle. A module at the localrun/ root must be
+# named here: the engine core, the CLI entry, or a foundation every room uses.
+FLOORS = {
+    # foundations
+    "localrun": 0, "localrun.errors": 0, "localrun.hardware": 0, "localrun.textstream": 0,
+    # what a model is, how it is prompted, sampled and constrained; the RPC cluster
+    "localrun.model": 1, "localrun.prompt": 1, "localrun.sampling": 1, "localrun.grammar": 1,
+    "localrun.tools": 1, "localrun.cluster": 1,
+    # running, storing and making models; speculation
+    "localrun.backends": 2, "localrun.quant": 2, "localrun.store": 2, "localrun.lookup": 2,
+    # the engine core
+    "localrun.engine": 3, "localrun.generation": 3, "localrun.request": 3, "localrun.slots": 3,
+    # what users run
+    "localrun.server": 4, "localrun.tui": 4, "localrun.commands": 4, "localrun.cli": 4, "localrun.__main__": 4,
+}
+
+
+def room_of(module: str) -> str | None:
+    """The longest FLOORS key that `module` is or lies inside."""
+    best = None
+    for room in FLOORS:
+        if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best)):
+            best = room
+    return best
+
+
+def floor_violations() -> list[str]:
+    modules = list(_modules())
+    known = {dotted for _, dotted, _ in modules}
+    found, edges = [], {}
+    for path, module, is_init in modules:
+        where = path.relative_to(ROOT).as_posix()
+        home = room_of(module)
+        if home is None or (home == "localrun" and module != "localrun"):
+            found.append(f"{where}: {module} is in no room (add it to a package, or to FLOORS if it is a foundation)")
+            continue
+        for line, target, name in _imports(path, module, is_init):
+            if not target.startswith("localrun"):
+                continue
+            full = f"{target}.{name}" if name and f"{target}.{name}" in known else target
+            room = room_of(full)
+            if room is None or room == home:
+                continue
+            if FLOORS[room] > FLOORS[home]:
+                found.append(f"{where}:{line} imports {full}: floor {FLOORS[room]} ({room}) is above"
+                             f" floor {FLOORS[home]} ({home})")
+            edges.setdefault(home, {}).setdefault(room, f"{where}:{line}")
+    found += [f"a circle of rooms: {' -> '.join(c)}" for c in _circles(edges)]
+    return found
+
+
+def _circles(edges: dict[str, dict[str, str]]) -> list[list[str]]:
+    """One circle through each room that starts one, found by depth-first search."""
+    circles, done = [], set()
+
+    def visit(room, path):
+        if room in path:
+            circles.append(path[path.index(room):] + [room])
+            return
+        if room in done:
+            return
+        for nxt in sorted(edges.get(room, {})):
+            visit(nxt, path + [room])
+        done.add(room)
+
+    for room in sorted(edges):
+        visit(room, [])
+    return circles
+
+
+def test_rooms_import_down_and_in_no_circle():
+    """Floors from foundations up to what users run (FLOORS): no upward import, no circle
+    of rooms, no module outside a room."""
+    assert floor_violations() == []
+
+
+def test_nothing_imports_a_room_folder_as_a_top_level_name():
+    """backends/, quant/ and tui/ install as localrun.backends etc.; `import backends`
+    works only from a checkout's root, and then loads a second copy of the module."""
+    import ast
+
+    found = []
+    for folder in ("localrun", "backends", "quant", "tui", "tests", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] in ("backends", "quant", "tui")]
+    assert found == []
+
+
+def test_the_floor_check_sees_what_it_must(tmp_path, monkeypatch):
+    """The checker itself, on a planted tree: an upward import, a circle between two rooms
+    of one floor, and a module left at the root."""
+    for room in (*ROOMS, "localrun/model", "localrun/prompt"):
+        (tmp_path / room).mkdir(parents=True)
+        (tmp_path / room / "__init__.py").write_text("")
+    (tmp_path / "localrun" / "model" / "m.py").write_text("from localrun.engine import Engine\nfrom ..prompt import p\n")
+    (tmp_path / "localrun" / "prompt" / "p.py").write_text("from localrun.model.m import x\n")
+    (tmp_path / "localrun" / "engine.py").write_text("")
+    (tmp_path / "localrun" / "stray.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert floor_violations() == [
+        "localrun/model/m.py:1 imports localrun.engine: floor 3 (localrun.engine) is above floor 1 (localrun.model)",
+        "localrun/stray.py: localrun.stray is in no room (add it to a package, or to FLOORS if it is a foundation)",
+        "a circle of rooms: localrun.model -> localrun.prompt -> localrun.model",
+    ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from backends.base import BatchEntry
-from backends.llamacpp import LlamaCppBackend
+from localrun.backends.base import BatchEntry
+from localrun.backends.llamacpp import LlamaCppBackend
 
 
 def _rows(path, repack: bool) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 
 from localrun.engine import Engine
 from localrun.errors import BadRequestError
-from localrun.grammar import Grammar
+from localrun.grammar.core import Grammar
 from localrun.request import (
     MAX_CONTENT_PARTS,
     MAX_FIELD_NAME_CHARS,
@@ -30,7 +30,7 @@ from localrun.request import (
 from localrun.sampling import SamplingParams, TokenText
 from localrun.server import llama_api, ollama_api, openai_api
 from localrun.server.fields import Body, grammar_from, messages
-from localrun.speculative import LookupConfig
+from localrun.lookup.speculative import LookupConfig
 
 from fakes import N_VOCAB, ScriptedBackend, text_script
 

@@ -16,7 +16,7 @@ import pytest
 from rpc_workers import (
     GREEDY, PROMPT, FakeServer, WorkerProcess, error_lines, free_port, has_rpc, localrun, needs_rpc, worker_pair)
 
-from localrun import rpc
+from localrun.cluster import rpc
 from localrun.errors import BadRequestError
 
 
@@ -260,7 +260,7 @@ def test_a_killed_worker_ends_the_answer_with_one_error_line(tmp_path, smollm2_g
 
 def test_mlx_shard_check_names_what_does_not_divide():
     from localrun.errors import UnsupportedFormatError
-    from localrun.mlx_ring import check_shardable
+    from localrun.commands.mlx_ring import check_shardable
 
     class Sharded:
         def shard(self, group):
@@ -299,7 +299,7 @@ def test_worker_offers_what_mem_says(tmp_path):
     worker = WorkerProcess(tmp_path, "--mem", "512")
     try:
         assert "CPU (512 MB offered)" in worker.stderr()
-        code = ("from localrun import rpc; import sys; "
+        code = ("from localrun.cluster import rpc; import sys; "
                 "c = rpc.connect(rpc.parse_endpoints(sys.argv[1]), activate=False); "
                 "print(c.workers[0].free, c.workers[0].devices[0].total)")
         res = subprocess.run([sys.executable, "-c", code, worker.endpoint], capture_output=True, text=True, timeout=120)

@@ -17,7 +17,7 @@ import pytest
 from rpc_workers import (
     GREEDY, PROMPT, FakeServer, WorkerProcess, error_lines, free_port, localrun, needs_rpc, worker_pair)
 
-from localrun import rpc
+from localrun.cluster import rpc
 
 
 @pytest.fixture(scope="module")

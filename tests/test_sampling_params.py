@@ -219,7 +219,8 @@ def test_every_parameter_reaches_the_cli_the_server_and_the_chat_panel():
     """Walks the declarations, so a new parameter cannot be left out of an entry point:
     each one with a flag parses on `run` and `chat` and survives the chat panel's form;
     each one a body carries is in the server's field map and read from a body."""
-    from localrun.cli import build_parser, sampling_from_args
+    from localrun.cli import build_parser
+    from localrun.sampling.flags import sampling_from_args
     from localrun.server.fields import SAMPLING_FIELDS, Body, sampling_params
     from localrun.tui.settings import ChatSettings, form_values, parse_form, sampler_fields
 

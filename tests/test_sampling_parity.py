@@ -13,7 +13,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from localrun import rpc
+from localrun.cluster import rpc
 from localrun.sampling import Sampler, SamplingParams, TokenText
 
 lc = pytest.importorskip("llama_cpp")

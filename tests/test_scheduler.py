@@ -13,7 +13,7 @@ from fakes import ScriptedBackend
 
 from localrun.engine import Engine
 from localrun.errors import DecodeError, LocalrunError
-from localrun.grammar import Grammar
+from localrun.grammar.core import Grammar
 from localrun.request import GenerationRequest
 from localrun.sampling import SamplingParams
 from localrun.server.scheduler import END, Job, Scheduler

@@ -8,7 +8,7 @@ import pytest
 
 from localrun.errors import BadRequestError
 from localrun.hardware import GPU, Hardware
-from localrun.formats import base_quant, bits_per_weight, quality_rank, quant_from_filename
+from localrun.model.formats import base_quant, bits_per_weight, quality_rank, quant_from_filename
 from localrun.quant.selector import (
     Budget,
     ModelShape,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from fakes import ScriptedBackend
-from localrun import store
+from localrun.store import local as store
 from localrun.backends.mlx import MLXBackend, RemoteCodeError
 from localrun.engine import Engine
 from localrun.errors import ModelNotFoundError, UnsupportedFormatError

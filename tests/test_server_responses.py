@@ -410,7 +410,7 @@ def test_a_codex_shaped_request_streams_in_openais_event_sequence(server):
 def test_a_later_system_message_joins_the_first_when_the_template_refuses_it():
     """Many templates take one leading system message only; a developer message later in
     `input` then joins it rather than failing the request."""
-    from localrun import chat_template
+    from localrun.prompt import chat_template
     from localrun.server.fields import Body
     from localrun.server.responses_api import prompt_tokens, read_request
 

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from localrun import speculative
+from localrun.lookup import speculative
 from localrun.engine import Engine
 from localrun.sampling import SamplingParams
-from localrun.speculative import Acceptance, BatchDrift, DraftController, LookupConfig, NgramIndex, StepCost, propose
+from localrun.lookup.speculative import Acceptance, BatchDrift, DraftController, LookupConfig, NgramIndex, StepCost, propose
 
 from fakes import EOS, N_VOCAB, ScriptedBackend
 

@@ -1,4 +1,4 @@
-"""StepCost (localrun/step_cost.py): what a speculative step of r rows costs on this
+"""StepCost (localrun/lookup/step_cost.py): what a speculative step of r rows costs on this
 model, learned from the steps the engine times, as DraftController reads it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from localrun.speculative import DraftController, LookupConfig, StepCost
+from localrun.lookup.speculative import DraftController, LookupConfig, StepCost
 
 
 def _learned(cost: StepCost, rows: int, ratio: float, rounds: int = 40, one_row_ms: float = 10.0) -> StepCost:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hubserver import run_cli
-from localrun import store
+from localrun.store import local as store
 from localrun.errors import ModelNotFoundError
-from localrun.store import StoredModel, list_models, models_dir, resolve_model
+from localrun.store.local import StoredModel, list_models, models_dir, resolve_model
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("pytest_textual_snapshot")
 
 from localrun.cli import build_parser  # noqa: E402
-from localrun.store import StoredModel  # noqa: E402
+from localrun.store.local import StoredModel  # noqa: E402
 from localrun.tui.app import ChatApp  # noqa: E402
 from localrun.tui.conversations import ConversationStore  # noqa: E402
 from localrun.tui.session import ChatSession  # noqa: E402

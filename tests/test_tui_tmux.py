@@ -1,5 +1,5 @@
 """End to end: the real chat command in a real terminal (tmux), driven as a user would:
-keys in, screen text out. It runs `python -m localrun.tui.app` (what `localrun chat`
+keys in, screen text out. It runs `python -m localrun chat` (what `localrun chat`
 runs) with a private store and data folder. Also: its one-line errors, and the line
 REPL it falls back to when piped."""
 
@@ -69,7 +69,7 @@ def saved_answers(data_dir: str) -> list[str]:
 
 def test_chat_in_a_real_terminal(env, tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    command = (f"{sys.executable} -m localrun.tui.app {MODEL} --ctx 512 --max-tokens 8 --temperature 0 --threads 2;"
+    command = (f"{sys.executable} -m localrun chat {MODEL} --ctx 512 --max-tokens 8 --temperature 0 --threads 2;"
                " echo EXIT=$?; sleep 30")
     term = Tmux(command, env, repo)
     try:
@@ -104,7 +104,7 @@ def test_chat_in_a_real_terminal(env, tmp_path):
 
 
 def test_missing_model_is_one_error_line(env):
-    proc = subprocess.run([sys.executable, "-m", "localrun.tui.app", "no/such-model:Q4_K_M"],
+    proc = subprocess.run([sys.executable, "-m", "localrun", "chat", "no/such-model:Q4_K_M"],
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -113,7 +113,7 @@ def test_missing_model_is_one_error_line(env):
 
 def test_piped_chat_falls_back_to_the_line_repl(env, smollm2_gguf):
     """Not a terminal (a script, a pipe): the plain REPL answers instead of the app."""
-    proc = subprocess.run([sys.executable, "-m", "localrun.tui.app", str(smollm2_gguf), "--max-tokens", "6",
+    proc = subprocess.run([sys.executable, "-m", "localrun", "chat", str(smollm2_gguf), "--max-tokens", "6",
                            "--temperature", "0", "--ctx", "256", "--threads", "2"],
                           input="Name a color.\n/exit\n", env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=120)

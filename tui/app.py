@@ -10,7 +10,7 @@ and appends it to a Markdown stream, with one status update; the worker posts on
 loads. Esc sets the worker's cancel flag: it stops after the current backend step and
 the text written so far stays in the chat.
 
-    python -m localrun.tui.app MODEL [chat flags]   # what `localrun chat` runs
+    python -m localrun chat MODEL [chat flags]   # `localrun chat`
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Markdown, ProgressBar
 
-from localrun.engine import Engine, Timings
+from localrun.engine import Engine
 from localrun.errors import LocalrunError, ModelNotFoundError
 
 from .conversations import Conversation, ConversationConflictError, ConversationStore, default_title
@@ -507,13 +507,3 @@ def _run_piped(args) -> int:
     args.model = str(model[0])
     return run_repl(args)
 
-
-if __name__ == "__main__":
-    from localrun.cli import build_parser
-
-    args = build_parser().parse_args(["chat", *sys.argv[1:]])
-    try:
-        raise SystemExit(run_chat(args))
-    except LocalrunError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(exc.exit_code)

@@ -29,7 +29,7 @@ from typing import Iterator
 
 from localrun.errors import LocalrunError
 from localrun.quant.atomic import fsync_dir, fsync_file
-from localrun.store import data_dir  # $LOCALRUN_DATA, else the platform's user data folder
+from localrun.store.local import data_dir  # $LOCALRUN_DATA, else the platform's user data folder
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (

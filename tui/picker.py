@@ -1,7 +1,7 @@
 """The model picker (Ctrl+O, /model): installed models with format, quant, size and
 whether they fit this machine; Enter picks one. The listing and the fit verdict are
 injected so tests and snapshots use fixed ones; by default they come from
-`localrun.store` and `localrun.quant.selector`."""
+`localrun.store.local` and `localrun.quant.selector`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ VERDICT_RANK = {"Full GPU": 3, "Partial": 2, "CPU": 1, "Won't fit": 0}
 
 
 def store_models() -> list:
-    from localrun.store import list_models
+    from localrun.store.local import list_models
 
     return list_models()
 

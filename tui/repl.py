@@ -10,7 +10,8 @@ import sys
 
 
 def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
-    from localrun.cli import print_timings, sampling_from_args
+    from localrun.generation import print_timings
+    from localrun.sampling.flags import sampling_from_args
     from localrun.engine import Engine
     from localrun.errors import LocalrunError
 

@@ -38,7 +38,7 @@ def display_name(path: Path) -> str:
 
 def resolve(name_or_path: str) -> tuple[Path, str]:
     """(path, display name) for what a user typed: an installed model's name or a path."""
-    from localrun.store import resolve_model  # raises ModelNotFoundError with what to do
+    from localrun.store.local import resolve_model  # raises ModelNotFoundError with what to do
 
     path = Path(name_or_path).expanduser()
     if path.exists():

@@ -44,7 +44,7 @@ class ChatSettings:
     system: str = ""
     grammar_path: str = ""  # a GBNF or JSON-schema file; "" = free text
     grammar_kind: str = "gbnf"
-    grammar: object | None = None  # the compiled localrun.grammar.Grammar, checked when set
+    grammar: object | None = None  # the compiled localrun.grammar.core.Grammar, checked when set
 
     def copy(self) -> "ChatSettings":
         return replace(self, sampling=replace(self.sampling))
@@ -52,7 +52,7 @@ class ChatSettings:
 
 def load_grammar(path: str, kind: str):
     """The Grammar in `path` (GBNF or JSON schema); BadRequestError with the reason."""
-    from localrun.grammar import Grammar
+    from localrun.grammar.core import Grammar
 
     if kind not in GRAMMAR_KINDS:
         raise FieldError("grammar_kind", f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {kind!r}")
@@ -69,7 +69,7 @@ def load_grammar(path: str, kind: str):
 
 def settings_from_args(args) -> ChatSettings:
     """The `localrun chat` flags as settings; a bad flag fails before the model loads."""
-    from localrun.cli import sampling_from_args
+    from localrun.sampling.flags import sampling_from_args
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise BadRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")

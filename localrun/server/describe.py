@@ -1,5 +1,5 @@
 """What a model is, for /api/tags, /api/show and /props, read from the file's own
-metadata (localrun.model_facts: GGUF header or MLX config.json) so listing models never
+metadata (localrun.model.facts: GGUF header or MLX config.json) so listing models never
 loads one; a model that is loaded answers from its engine (which also knows FIM tokens
 found by name)."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..model_facts import facts
+from ..model.facts import facts
 from ..tools import supports_tools
 
 

@@ -10,7 +10,7 @@ import json
 import math
 
 from ..errors import BadRequestError
-from ..grammar import Grammar
+from ..grammar.core import Grammar
 from ..request import MAX_CONTENT_PARTS, MAX_GRAMMAR_CHARS, MAX_MESSAGES, MAX_ROLE_CHARS, GenerationRequest
 from ..sampling import PARAMETER, PARAMETERS, SamplingParams
 from ..tools import parse_tool_choice, parse_tools

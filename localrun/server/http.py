@@ -33,14 +33,6 @@ class PayloadTooLargeError(LocalrunError):
     http_status = 413
 
 
-class UnauthorizedError(LocalrunError):
-    http_status = 401
-
-
-class ForbiddenError(LocalrunError):
-    http_status = 403
-
-
 def dialect_of(path: str) -> str:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return "anthropic"

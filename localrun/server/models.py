@@ -31,9 +31,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import store
+from ..model.paths import model_path_kind
+from ..store import local as store
 from ..backends.remote import is_lost
-from ..chat_template import load_template_file
+from ..prompt.chat_template import load_template_file
 from ..engine import Engine
 from ..errors import BadRequestError, LocalrunError, ModelLoadError, ModelNotFoundError, UnsupportedFormatError
 from .context import ContextChoice, served_context
@@ -137,7 +138,7 @@ def allowed_path(text: str) -> str:
     if "\0" in text:
         raise ModelNotFoundError(f"no model at {text!r}: a path holds no NUL character")
     path = os.path.realpath(os.path.expanduser(text))
-    _, kind = store.model_path_kind(Path(path))
+    _, kind = model_path_kind(Path(path))
     if kind == "file":
         if not path.lower().endswith(".gguf") or _head(path, 4) != b"GGUF":
             raise UnsupportedFormatError(f"{text} is not a GGUF file: name a .gguf file or an MLX model folder")
@@ -562,7 +563,7 @@ def _open_engine(path: str, trust_remote_code: bool, options: dict, chat_templat
     """`chat_template`: the --chat-template FILE, None for the model's own template.
     With --rpc workers a GGUF runs in a child process (backends/remote.py): a worker that
     dies then fails the answers in flight, not the server."""
-    from .. import rpc
+    from ..cluster import rpc
 
     if rpc.active() is not None and not os.path.isdir(path):
         from ..backends import open_backend

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from starlette.responses import JSONResponse
 
 from ..errors import BadRequestError
-from ..grammar import Grammar
+from ..grammar.core import Grammar
 from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, GenerationRequest
 from ..tools import collect_calls, history_messages
 from .describe import describe

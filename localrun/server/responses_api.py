@@ -29,9 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ..chat_template import TemplateRefusal
+from ..prompt.chat_template import TemplateRefusal
 from ..errors import BadRequestError, ContextExceededError, LocalrunError
-from ..grammar import Grammar
+from ..grammar.core import Grammar
 from ..request import MAX_TOKENS_LIMIT, GenerationRequest
 from ..tools import MAX_DESCRIPTION_CHARS, MAX_TOOLS, parse_tool_choice, parse_tools
 from .fields import SAMPLING_FIELDS, Body, _show, generation_request, sampling_params, schema_grammar

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 
-from ..grammar import Grammar, lark_spec
+from ..grammar.core import Grammar, lark_spec
 from .formats import BARE_FENCE, BARE_FENCE_END, BARE_SEPARATOR, ToolFormat
 from .spec import Tool, ToolChoice
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from ..grammar import Grammar
+from ..grammar.core import Grammar
 from .constraint import call_grammar
 from .formats import ToolFormat, detect_format
 from .spec import Tool, ToolChoice, ToolsUnsupportedError

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..errors import BadRequestError
-from ..grammar import Grammar, json_schema_layout
+from ..grammar.core import Grammar, json_schema_layout
 
 MAX_TOOLS = 128
 MAX_TOOL_SCHEMA_BYTES = 64 * 1024

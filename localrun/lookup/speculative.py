@@ -74,11 +74,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .lookup_edits import MAX_EDITS, LearnedEdits
+from .edits import MAX_EDITS, LearnedEdits
 from .step_cost import StepCost
 
 if TYPE_CHECKING:
-    from .sampling import TokenText
+    from ..sampling import TokenText
 
 # Match-length bands (upper bounds, inclusive) and the acceptance each starts from before
 # any draft of this generation was judged: longer agreement with an earlier span makes

@@ -2,7 +2,7 @@
 
 llama.cpp's own GGUF parser has had memory-safety bugs, so a corrupt or hostile
 file must be caught here, with a typed one-line error, while the process is still
-safe. The header is read by localrun.gguf_header (bounds-checked reads, counts checked
+safe. The header is read by localrun.model.gguf_header (bounds-checked reads, counts checked
 against the bytes that remain, a header size limit, errors that never quote the file);
 this module adds what a model load needs beyond one file's header.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from localrun.errors import LocalrunError, MalformedModelError, ModelNotFoundError, UnsupportedFormatError
-from localrun.gguf_header import (
+from localrun.model.gguf_header import (
     MAGIC,
     MAX_TENSORS,
     ArrayInfo,

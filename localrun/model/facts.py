@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from localrun.errors import MalformedModelError, UnsupportedFormatError
-from localrun.gguf_header import ArrayInfo, TensorInfo, open_regular
+from localrun.model.gguf_header import ArrayInfo, TensorInfo, open_regular
 
 __all__ = ["ModelFacts", "facts", "gguf_facts", "mlx_config_facts", "mlx_quant"]
 
@@ -92,7 +92,7 @@ def facts(path: str | os.PathLike[str]) -> ModelFacts:
         is_folder = False  # the GGUF reader names what is wrong with the path
     if is_folder:
         return _mlx_folder_facts(p)
-    from localrun.gguf_check import check_gguf_parts
+    from localrun.model.gguf_check import check_gguf_parts
 
     parts = check_gguf_parts(p)
     found = gguf_facts(parts[0].metadata, [t for part in parts for t in part.tensors])
@@ -100,7 +100,7 @@ def facts(path: str | os.PathLike[str]) -> ModelFacts:
     if found.has_fim or span is None:
         return found
     # no FIM keys: llama.cpp finds FIM tokens by their text when it loads; so do we
-    from localrun.fim_names import fim_ids_by_name
+    from localrun.model.fim_names import fim_ids_by_name
 
     ids = fim_ids_by_name(str(p), span)
     if len(ids) < 3:
@@ -111,7 +111,7 @@ def facts(path: str | os.PathLike[str]) -> ModelFacts:
 
 def gguf_facts(metadata: dict[str, Any], tensors: list[TensorInfo] | tuple[TensorInfo, ...]) -> ModelFacts:
     """The facts of a GGUF header: its metadata and the tensor infos of every part at hand."""
-    from localrun.formats import file_type_name
+    from localrun.model.formats import file_type_name
 
     arch = _text(metadata.get("general.architecture")) or "unknown"
 

@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import BadRequestError
+from ..errors import BadRequestError
 from .gbnf import gbnf_to_lark_text, place_in_gbnf
 
 try:
@@ -349,7 +349,7 @@ def _compile_error(spec: str, probe: bool) -> str:
 def _budget_hint(err: str) -> str:
     """What to do, when llguidance's error is one of its limits."""
     if re.search(r"too (big|many|complex)|fuel|limit", _first_line(err), re.I):
-        return (f" (over localrun.grammar's compile limits, such as LEXER_FUEL={LEXER_FUEL:,}:"
+        return (f" (over localrun.grammar.core's compile limits, such as LEXER_FUEL={LEXER_FUEL:,}:"
                 " use fewer alternatives or smaller nested repeat counts)")
     return ""
 
@@ -447,7 +447,7 @@ class Grammar:
     def __post_init__(self) -> None:
         # a spec made anywhere but lark_spec would run without localrun's options
         if not (isinstance(self.spec, str) and self.spec.endswith(_OPTIONS_LINE)):
-            raise ValueError("a Grammar's spec must be made by localrun.grammar.lark_spec (it sets llguidance's options)")
+            raise ValueError("a Grammar's spec must be made by localrun.grammar.core.lark_spec (it sets llguidance's options)")
 
     @classmethod
     def from_gbnf(cls, text: str) -> "Grammar":

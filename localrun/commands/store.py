@@ -37,11 +37,11 @@ def _budget(args):
 
 def cmd_ls(args) -> int:
     from localrun.quant.selector import fit_verdict
-    from localrun.store import list_models
+    from localrun.store.local import list_models
 
     models = list_models()
     if not models:
-        from localrun.store import models_dir
+        from localrun.store.local import models_dir
 
         print(f"no models yet in {models_dir()} (nor in the Hugging Face cache or LM Studio);"
               " get one with `localrun pull org/repo`")
@@ -58,8 +58,9 @@ def cmd_ls(args) -> int:
 def cmd_rm(args) -> int:
     import shutil
 
-    from localrun.hub import verified_marker
-    from localrun.store import find_models, models_dir, split_parts
+    from localrun.store.hub import verified_marker
+    from localrun.model.formats import split_parts
+    from localrun.store.local import find_models, models_dir
 
     matches = find_models(args.name)
     if not matches:
@@ -89,7 +90,7 @@ def cmd_rm(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from localrun.store import model_facts
+    from localrun.store.local import model_facts
 
     facts = model_facts(args.model)
     template = facts.pop("chat template", None)
@@ -160,8 +161,8 @@ class _Bar:
 
 
 def cmd_pull(args) -> int:
-    from localrun.hub import pull
-    from localrun.rpc_cli import with_workers
+    from localrun.store.hub import pull
+    from localrun.commands.rpc import with_workers
 
     budget, _ = with_workers(args, _budget(args))  # --rpc: the workers' free memory counts too
     try:
@@ -179,11 +180,11 @@ def _fit_rows(args):
     from pathlib import Path
 
     from localrun.quant.selector import model_shape, weights_bytes
-    from localrun.store import find_models, parse_name
+    from localrun.store.local import find_models, parse_name
 
     target = Path(args.model).expanduser()
     if target.exists():
-        from localrun.store import gguf_quant, mlx_quant
+        from localrun.store.local import gguf_quant, mlx_quant
 
         quant = mlx_quant(target) if target.is_dir() else gguf_quant(target)
         return model_shape(target), [(quant, weights_bytes(target))], str(target)
@@ -193,7 +194,7 @@ def _fit_rows(args):
     if installed and not args.hub:
         return (model_shape(installed[0].path), [(m.quant, m.size_bytes) for m in installed],
                 "installed (--hub lists the repo's quants)")
-    from localrun.hub import list_repo, remote_shape, variants
+    from localrun.store.hub import list_repo, remote_shape, variants
 
     repo = parse_name(args.model)[0]
     revision, files = list_repo(repo)
@@ -205,9 +206,9 @@ def _fit_rows(args):
 
 
 def cmd_fit(args) -> int:
-    from localrun.formats import quality_rank
+    from localrun.model.formats import quality_rank
     from localrun.quant.selector import choose
-    from localrun.rpc_cli import print_fit_split, with_workers
+    from localrun.commands.rpc import print_fit_split, with_workers
 
     shape, quants, where = _fit_rows(args)
     local = _budget(args)
@@ -230,9 +231,47 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def backend_report() -> list[tuple[str, str]]:
+    """(backend, what works) rows for `localrun doctor`; imports each runtime to see."""
+    rows: list[tuple[str, str]] = []
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+        builds = ["CPU"]
+        if "CUDA" in info:
+            builds.append("CUDA")
+        if "METAL" in info.upper():
+            builds.append("Metal")
+        offload = bool(llama_cpp.llama_supports_gpu_offload())
+        if offload and llama_cpp.llama_supports_rpc():  # llama.cpp counts RPC as offload: ask for a real GPU
+            from localrun.cluster.rpc import local_gpus
+
+            offload = bool(local_gpus())
+        rows.append(("llama.cpp", f"llama-cpp-python {llama_cpp.__version__}: {'+'.join(builds)} build"
+                                  f"{', GPU offload' if offload else ', no GPU offload'}"))
+    except Exception as exc:  # not installed or failed to load its shared library
+        rows.append(("llama.cpp", f"unusable: {exc}"))
+    try:
+        from localrun.cluster.rpc import availability
+
+        rows.append(("rpc", availability()[1]))
+    except Exception as exc:
+        rows.append(("rpc", f"unusable: {exc}"))
+    try:
+        import mlx.core as mx
+
+        metal = bool(mx.metal.is_available())
+        rows.append(("mlx", f"mlx {getattr(mx, '__version__', '?')}: {'Metal' if metal else 'CPU only'}"
+                            f" (default device {mx.default_device()})"))
+    except Exception as exc:
+        rows.append(("mlx", f"unusable: {exc}"))
+    return rows
+
+
 def cmd_doctor(args) -> int:
-    from localrun.hardware import backend_report, probe
-    from localrun.store import hf_cache_dir, lmstudio_dirs, models_dir
+    from localrun.hardware import probe
+    from localrun.store.local import hf_cache_dir, lmstudio_dirs, models_dir
 
     hw = probe()
     rows = [["os", f"{hw.os} ({hw.machine})"],
@@ -254,7 +293,7 @@ def cmd_doctor(args) -> int:
 
 
 def _hub_endpoint() -> str:
-    from localrun.hub import endpoint
+    from localrun.store.hub import endpoint
 
     return endpoint()
 
@@ -277,7 +316,7 @@ def _memory_flags(p) -> None:
 
 
 def add_commands(sub) -> None:
-    from localrun.rpc_cli import add_rpc_flags
+    from localrun.commands.rpc import add_rpc_flags
 
     def cmd(name, func, help_text):
         p = sub.add_parser(name, help=help_text)

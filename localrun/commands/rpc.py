@@ -2,7 +2,7 @@
 a GGUF model (run, chat, serve, fit).
 
 Registered by localrun.cli through `add_commands`; only argparse-free modules load with
-this one, so `localrun --help` stays instant. The C glue lives in localrun/rpc.py.
+this one, so `localrun --help` stays instant. The C glue lives in localrun/cluster/rpc.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _refuse_mlx(args) -> None:
     """--rpc splits GGUF models only: an MLX model named on the command line is an error now,
     not a load that silently ignores the workers."""
     from localrun.backends import detect_format
-    from localrun.store import resolve_model
+    from localrun.store.local import resolve_model
 
     for name in _model_names(args):
         try:
@@ -56,7 +56,7 @@ def apply_rpc_flags(args, announce: bool | None = None):
         if split:
             raise BadRequestError("--tensor-split needs --rpc workers to split the model across")
         return None
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     endpoints = rpc.parse_endpoints(text)
     tensor_split = rpc.parse_tensor_split(split, len(endpoints))
@@ -100,7 +100,7 @@ def print_fit_split(args, shape, est, workers: list[tuple[str, int]], local_free
     from localrun.quant.selector import split_estimate
 
     out = out or sys.stdout
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     tensor_split = rpc.parse_tensor_split(getattr(args, "tensor_split", None), len(workers))
     rows = split_estimate(shape, est, local_free, workers, tensor_split)
@@ -116,7 +116,7 @@ def print_fit_split(args, shape, est, workers: list[tuple[str, int]], local_free
 
 def served_devices() -> list[int]:
     """What a worker offers, as llama.cpp's rpc-server chooses: accelerators, else the CPU."""
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     g = rpc.ggml()
     devs = [d for d in g.devices() if g.dev_type(d) not in (rpc.DEV_CPU, rpc.DEV_ACCEL) and not g.is_rpc(d)]
@@ -137,7 +137,7 @@ def report_memory(dev: int, offer) -> None:
     replaces the get_memory pointer of its CPU device's interface, after checking that the
     struct layout is the one expected (its get_name slot must be the device's name function
     and the pointer after the interface its registry)."""
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     g = rpc.ggml()
     slots = (ctypes.c_void_p * (_IFACE_SLOTS + 2)).from_address(dev)
@@ -158,7 +158,7 @@ def report_memory(dev: int, offer) -> None:
 
 def start_server(endpoint: str, devices: list[int], threads: int, cache_dir: str | None = None) -> None:
     """llama.cpp's server loop (blocks for good; returns only when it cannot listen)."""
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     fn = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
                           ctypes.POINTER(ctypes.c_void_p))(rpc.rpc_function("ggml_backend_rpc_start_server"))
@@ -216,7 +216,7 @@ def _wait_until_serving(host: str, port: int, thread) -> str:
     hangs up at once) until it answers or its thread has ended."""
     import time
 
-    from localrun import rpc
+    from localrun.cluster import rpc
 
     target = rpc.Endpoint("127.0.0.1" if host == "0.0.0.0" else host, port)
     deadline = time.monotonic() + START_TIMEOUT
@@ -232,7 +232,7 @@ def cmd_rpc_worker(args) -> int:
     import signal
     import threading
 
-    from localrun import rpc
+    from localrun.cluster import rpc
     from localrun.hardware import inference_threads
 
     _check_bind(args.host, args.port)
@@ -265,7 +265,7 @@ def cmd_rpc_worker(args) -> int:
                               " their own free memory")
     cache_dir = None
     if args.cache:
-        from localrun.store import data_dir
+        from localrun.store.local import data_dir
 
         cache_dir = str(data_dir() / "rpc-cache")
         os.makedirs(cache_dir, exist_ok=True)
@@ -294,7 +294,7 @@ def cmd_rpc_worker(args) -> int:
 
 
 def add_commands(sub) -> None:
-    from localrun.rpc import DEFAULT_PORT
+    from localrun.cluster.rpc import DEFAULT_PORT
 
     p = sub.add_parser("rpc-worker", help="lend this machine's CPU or GPUs to another machine's --rpc (llama.cpp RPC)")
     p.add_argument("--host", default="127.0.0.1",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .sampling import TokenText
+    from ..sampling import TokenText
 
 MAX_EDIT = 4  # tokens on either side of an edit the answer makes to what it copies (longer: a rewrite)
 MAX_EDITS = 32  # learned edits kept per answer

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from .errors import BadRequestError
+from ..errors import BadRequestError
 
 try:
     from llguidance.gbnf_to_lark import GbnfToLarkError, GrammarParser, RuleRefNode, resolve

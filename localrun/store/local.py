@@ -21,13 +21,13 @@ import json
 import os
 import platform
 import re
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from localrun.errors import ModelNotFoundError, UnsupportedFormatError
-from localrun.formats import SPLIT_SUFFIX, quality_rank, quant_from_filename
+from localrun.errors import ModelNotFoundError
+from localrun.model.paths import model_path_kind
+from localrun.model.formats import SPLIT_SUFFIX, quality_rank, quant_from_filename, split_parts
 
 SOURCES = ("localrun", "hf-cache", "lmstudio")
 DOWNLOADS = ".downloads"
@@ -93,23 +93,12 @@ def lmstudio_dirs() -> list[Path]:
 # -- reading one model ------------------------------------------------------------
 
 
-def split_parts(first: Path) -> list[Path] | None:
-    """All parts of a split GGUF given its first part; None when a part is missing."""
-    m = SPLIT_SUFFIX.search(first.name)
-    if not m:
-        return [first]
-    total = int(m.group(2))
-    stem = first.name[: m.start()]
-    parts = [first.with_name(f"{stem}-{i:05d}-of-{total:05d}.gguf") for i in range(1, total + 1)]
-    return parts if all(p.exists() for p in parts) else None
-
-
 def gguf_quant(path: Path) -> str:
     """The quant of a GGUF file: its name's quant token, else the header's file type."""
     named = quant_from_filename(path.name)
     if named:
         return named
-    from localrun.model_facts import facts
+    from localrun.model.facts import facts
 
     try:
         return facts(path).quant
@@ -119,7 +108,7 @@ def gguf_quant(path: Path) -> str:
 
 def mlx_quant(folder: Path) -> str:
     """"4bit" etc. from config.json's quantization block, else the weights' dtype."""
-    from localrun.model_facts import mlx_quant as quant_of_config
+    from localrun.model.facts import mlx_quant as quant_of_config
 
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -290,23 +279,6 @@ def resolve_model(name_or_path: str) -> Path:
     return resolve_installed(text)
 
 
-def model_path_kind(path: Path) -> tuple[Path, str]:
-    """(path, "file" | "folder") for a path that exists. A FIFO, device or socket is refused
-    from its stat alone: opening a FIFO to read its header would wait for a writer forever."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        raise ModelNotFoundError(f"no model at {path}: {exc.strerror or exc}") from None
-    if stat.S_ISREG(mode):
-        return path, "file"
-    if stat.S_ISDIR(mode):
-        return path, "folder"
-    raise UnsupportedFormatError(
-        f"{path} is not a regular file or a folder (a FIFO, device or socket holds no model):"
-        " give a .gguf file or an MLX model folder"
-    )
-
-
 def resolve_installed(name: str, installed: list[StoredModel] | None = None) -> Path:
     """The installed model a store name stands for (never a path on disk); `installed` is a
     listing to search instead of scanning the folders again."""
@@ -352,10 +324,10 @@ def _capabilities(f, extra: list[str]) -> str:
 
 
 def model_facts(name_or_path: str) -> dict:
-    """What `localrun show` prints: localrun.model_facts' facts, the store's quant name and
+    """What `localrun show` prints: localrun.model.facts' facts, the store's quant name and
     the files beside the model (a vision projector)."""
     path = resolve_model(name_or_path)
-    from localrun.model_facts import facts as read_facts
+    from localrun.model.facts import facts as read_facts
     from localrun.quant.selector import weights_bytes
 
     f = read_facts(path)

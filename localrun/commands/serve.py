@@ -15,10 +15,10 @@ DEFAULT_PORT = 11435
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .app import build_app
-    from .keep_alive import parse_keep_alive
-    from .models import ModelManager, display_name
-    from .shutdown import BoundedServer
+    from ..server.app import build_app
+    from ..server.keep_alive import parse_keep_alive
+    from ..server.models import ModelManager, display_name
+    from ..server.shutdown import BoundedServer
 
     if args.parallel < 1:
         raise BadRequestError(f"--parallel must be at least 1, got {args.parallel}")
@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadRequestError(f"--max-models must be at least 1, got {args.max_models}")
     if args.batch < 16:
         raise BadRequestError(f"--batch must be at least 16 tokens, got {args.batch}")
-    from ..rpc_cli import apply_rpc_flags
+    from .rpc import apply_rpc_flags
 
     if args.rpc_timeout is not None and not args.rpc:
         raise BadRequestError("--rpc-timeout bounds calls to --rpc workers: add --rpc HOST:PORT, or drop it")
@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _check_model(name: str, trust_remote_code: bool) -> None:
     """A --model must exist (a path or an installed name), be a file or folder, and not ask
     to run its own code unless allowed."""
-    from .. import store
+    from ..store import local as store
     from ..backends.mlx import check_remote_code
 
     path = store.resolve_model(name)
@@ -81,7 +81,7 @@ def _parse_alias(text: str) -> tuple[str, str]:
 def _announce_contexts(manager) -> None:
     """Print the context each --model will be served with, and why: an agent must be told
     the real window (see the README's Coding agents section)."""
-    from .. import store
+    from ..store import local as store
 
     for display, spec in manager.configured.items():
         try:
@@ -162,7 +162,7 @@ def add_commands(sub) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="allow this browser origin (repeatable; default: localhost pages and VS Code webviews)")
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
-    from ..rpc_cli import add_rpc_flags
+    from .rpc import add_rpc_flags
 
     add_rpc_flags(p)
     p.add_argument("--rpc-timeout", type=_rpc_timeout, default=None, metavar="SECONDS",

@@ -21,6 +21,7 @@ an unquantized f16/bf16 MLX model ranks with GGUF F16.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from localrun.errors import BadRequestError
 
@@ -98,6 +99,17 @@ _QUANT_TOKEN = re.compile(
     re.IGNORECASE,
 )
 SPLIT_SUFFIX = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+def split_parts(first: Path) -> list[Path] | None:
+    """All parts of a split GGUF given its first part; None when a part is missing."""
+    m = SPLIT_SUFFIX.search(first.name)
+    if not m:
+        return [first]
+    total = int(m.group(2))
+    stem = first.name[: m.start()]
+    parts = [first.with_name(f"{stem}-{i:05d}-of-{total:05d}.gguf") for i in range(1, total + 1)]
+    return parts if all(p.exists() for p in parts) else None
 
 
 def quant_from_filename(filename: str) -> str | None:

@@ -38,8 +38,8 @@ from urllib.parse import quote
 
 from localrun.errors import BadRequestError, LocalrunError, ModelNotFoundError
 from localrun.quant.atomic import atomic_output, replace_durably
-from localrun.formats import SPLIT_SUFFIX, quant_from_filename
-from localrun.store import DOWNLOADS, models_dir, parse_name
+from localrun.model.formats import SPLIT_SUFFIX, quant_from_filename
+from localrun.store.local import DOWNLOADS, models_dir, parse_name
 
 CHUNK = 1 << 20
 MLX_FILE_TYPES = (".json", ".safetensors", ".txt", ".model", ".tiktoken", ".jinja")
@@ -169,7 +169,7 @@ def remote_header(repo: str, revision: str, f: RepoFile):
     import httpx
     from huggingface_hub.utils import build_hf_headers
 
-    from localrun.gguf_header import MAX_HEADER_BYTES, MalformedGGUFError, NeedMoreBytes, read_header_prefix
+    from localrun.model.gguf_header import MAX_HEADER_BYTES, MalformedGGUFError, NeedMoreBytes, read_header_prefix
 
     url = file_url(repo, revision, f.path)
     size = f.size or None  # a listing without a size: the reader bounds the header itself
@@ -200,7 +200,7 @@ def remote_header(repo: str, revision: str, f: RepoFile):
 
 def remote_shape(repo: str, revision: str, f: RepoFile):
     """The selector's ModelShape of a remote GGUF, from its header alone: the model facts
-    (localrun.model_facts) and the tensor sizes, as for a local file."""
+    (localrun.model.facts) and the tensor sizes, as for a local file."""
     from localrun.quant.selector import shape_from_gguf
 
     header = remote_header(repo, revision, f)

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .speculative import BatchDrift
-from .store import data_dir
+from ..store.local import data_dir
 
 FILE_NAME = "batch-drift.json"
 MAX_ENTRIES = 256  # models remembered; the oldest entries go first

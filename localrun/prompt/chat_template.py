@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import jinja2
 
-from .errors import BadRequestError
+from ..errors import BadRequestError
 from .template_budget import BudgetedSandbox, BudgetExceeded, RenderBudget, render_bounded, spending
 
 # Used only when a model carries no template at all (some GGUF exports drop it): the

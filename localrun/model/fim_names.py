@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from localrun.gguf_header import open_regular
+from localrun.model.gguf_header import open_regular
 
 FIM_TEXTS = {
     "prefix": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>"),
