@@ -18,11 +18,12 @@ from __future__ import annotations
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from localrun.errors import BackendUnavailableError, BadRequestError
+from localrun.ggml import function
 from localrun.hardware import usable_cpus
 
 GGML_MAX_DIMS = 4
@@ -52,73 +53,43 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
-def _lib_dir() -> Path:
-    try:
-        import llama_cpp
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise BackendUnavailableError(
-            f"llama-cpp-python is not installed ({e}); run: pip install llama-cpp-python"
-        ) from e
-    return Path(llama_cpp.__file__).parent / "lib"
+# name -> (restype, argtypes) of every ggml function this module and the imatrix collector call
+_i64, _sz, _P, _int = ctypes.c_int64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
+_FUNCTIONS = {
+    "ggml_quantize_chunk": (_sz, [_int, _P, _P, _i64, _i64, _i64, _P]),
+    "ggml_quantize_requires_imatrix": (ctypes.c_bool, [_int]),
+    "ggml_quantize_init": (None, [_int]),
+    "ggml_row_size": (_sz, [_int, _i64]),
+    "ggml_blck_size": (_i64, [_int]),
+    "ggml_type_name": (ctypes.c_char_p, [_int]),
+    "ggml_op_name": (ctypes.c_char_p, [_int]),
+    "ggml_nrows": (_i64, [_P]),
+    "ggml_nbytes": (_sz, [_P]),
+    "ggml_backend_buffer_is_host": (ctypes.c_bool, [_P]),
+    "ggml_backend_tensor_get": (None, [_P, _P, _sz, _sz]),
+    "ggml_new_tensor_2d": (_P, [_P, _int, _i64, _i64]),
+    "ggml_set_name": (_P, [_P, ctypes.c_char_p]),
+    "ggml_free": (None, [_P]),
+}
 
 
 @lru_cache(maxsize=1)
-def lib() -> ctypes.CDLL:
-    """libggml-base with argument types declared (loaded once)."""
-    import llama_cpp  # noqa: F401 - loads libllama first, which pulls in the same libggml
-
-    folder = _lib_dir()
-    names = ["libggml-base.so", "libggml-base.dylib", "ggml-base.dll"]
-    path = next((folder / n for n in names if (folder / n).exists()), None)
-    if path is None:
-        raise BackendUnavailableError(
-            f"llama-cpp-python's lib folder ({folder}) has no libggml-base; "
-            "reinstall llama-cpp-python"
-        )
-    # RTLD_GLOBAL|NOLOAD semantics are not needed: the dynamic loader hands back the
-    # copy libllama already mapped, so both sides share ggml's quantization tables.
-    g = ctypes.CDLL(str(path))
-    i64, sz = ctypes.c_int64, ctypes.c_size_t
-    g.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64, ctypes.c_void_p]
-    g.ggml_quantize_chunk.restype = sz
-    g.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
-    g.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
-    g.ggml_quantize_init.argtypes = [ctypes.c_int]
-    g.ggml_quantize_init.restype = None
-    g.ggml_row_size.argtypes = [ctypes.c_int, i64]
-    g.ggml_row_size.restype = sz
-    g.ggml_blck_size.argtypes = [ctypes.c_int]
-    g.ggml_blck_size.restype = i64
-    g.ggml_type_name.argtypes = [ctypes.c_int]
-    g.ggml_type_name.restype = ctypes.c_char_p
-    g.ggml_op_name.argtypes = [ctypes.c_int]
-    g.ggml_op_name.restype = ctypes.c_char_p
-    g.ggml_nrows.argtypes = [ctypes.c_void_p]
-    g.ggml_nrows.restype = i64
-    g.ggml_nbytes.argtypes = [ctypes.c_void_p]
-    g.ggml_nbytes.restype = sz
-    g.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
-    g.ggml_backend_buffer_is_host.restype = ctypes.c_bool
-    g.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, sz, sz]
-    g.ggml_backend_tensor_get.restype = None
+def lib() -> SimpleNamespace:
+    """ggml's functions with their argument types declared, as attributes (found once, by
+    localrun.ggml: the copies libllama uses, so both share ggml's quantization tables)."""
+    g = SimpleNamespace(**{name: function(name, res, *args) for name, (res, args) in _FUNCTIONS.items()})
     _check_layout(g)
     return g
 
 
-def _check_layout(g: ctypes.CDLL) -> None:
+def _check_layout(g: SimpleNamespace) -> None:
     """Make a tensor with ggml itself and compare what the struct view reads."""
-    g.ggml_init.restype = ctypes.c_void_p
-    g.ggml_new_tensor_2d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    g.ggml_new_tensor_2d.restype = ctypes.c_void_p
-    g.ggml_set_name.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    g.ggml_set_name.restype = ctypes.c_void_p
-    g.ggml_free.argtypes = [ctypes.c_void_p]
 
     class InitParams(ctypes.Structure):
         _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
-    g.ggml_init.argtypes = [InitParams]
-    ctx = g.ggml_init(InitParams(1 << 16, None, True))
+    ggml_init = function("ggml_init", ctypes.c_void_p, InitParams)
+    ctx = ggml_init(InitParams(1 << 16, None, True))
     try:
         t = g.ggml_new_tensor_2d(ctx, 0, 96, 7)  # F32, 96 x 7
         g.ggml_set_name(t, b"localrun.layout_probe")

@@ -35,6 +35,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, replace
 
 from localrun.errors import BadRequestError, LocalrunError
+from localrun.ggml import function
 
 DEFAULT_PORT = 50052  # llama.cpp's rpc-server default
 PROBE_TIMEOUT = 3.0  # seconds for a connect and for the HELLO answer: a LAN answers in milliseconds
@@ -180,55 +181,27 @@ def probe(endpoint: Endpoint, timeout: float = PROBE_TIMEOUT) -> Hello:
 
 
 class _Ggml:
-    """The ggml functions this module calls, from the libraries llama_cpp loaded."""
+    """The ggml functions this module calls (localrun.ggml finds them)."""
 
     def __init__(self) -> None:
-        from llama_cpp import llama_cpp as low
-
-        # The symbols are looked up through libllama's own handle: dlsym searches its
-        # dependencies, so they come from the very libggml copies llama.cpp uses. (The
-        # wheel ships libggml-base.so, .so.0 and .so.0.x as separate files: opening one by
-        # path could load a second, separate copy with its own registry and abort hook.)
-        # Windows looks in one DLL only: there the ggml DLLs are opened by name.
-        self._libs = [low._lib]
-        self._base_path = low._base_path
         P, S, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
-
-        def fn(name, restype, *argtypes):
-            f = self._find(name)
-            f.restype, f.argtypes = restype, list(argtypes)
-            return f
-
-        self.reg_by_name = fn("ggml_backend_reg_by_name", P, C)
-        self.reg_proc = fn("ggml_backend_reg_get_proc_address", P, P, C)
-        self.register = fn("ggml_backend_register", None, P)
-        self.reg_name = fn("ggml_backend_reg_name", C, P)
-        self.reg_dev_count = fn("ggml_backend_reg_dev_count", S, P)
-        self.reg_dev_get = fn("ggml_backend_reg_dev_get", P, P, S)
-        self.dev_count = fn("ggml_backend_dev_count", S)
-        self.dev_get = fn("ggml_backend_dev_get", P, S)
-        self.dev_name = fn("ggml_backend_dev_name", C, P)
-        self.dev_description = fn("ggml_backend_dev_description", C, P)
-        self.dev_memory = fn("ggml_backend_dev_memory", None, P, ctypes.POINTER(S), ctypes.POINTER(S))
-        self.dev_type = fn("ggml_backend_dev_type", ctypes.c_int, P)
-        self.dev_reg = fn("ggml_backend_dev_backend_reg", P, P)
-        self.dev_by_type = fn("ggml_backend_dev_by_type", P, ctypes.c_int)
-        self.dev_buffer_type = fn("ggml_backend_dev_buffer_type", P, P)
+        self.reg_by_name = function("ggml_backend_reg_by_name", P, C)
+        self.reg_proc = function("ggml_backend_reg_get_proc_address", P, P, C)
+        self.register = function("ggml_backend_register", None, P)
+        self.reg_name = function("ggml_backend_reg_name", C, P)
+        self.reg_dev_count = function("ggml_backend_reg_dev_count", S, P)
+        self.reg_dev_get = function("ggml_backend_reg_dev_get", P, P, S)
+        self.dev_count = function("ggml_backend_dev_count", S)
+        self.dev_get = function("ggml_backend_dev_get", P, S)
+        self.dev_name = function("ggml_backend_dev_name", C, P)
+        self.dev_description = function("ggml_backend_dev_description", C, P)
+        self.dev_memory = function("ggml_backend_dev_memory", None, P, ctypes.POINTER(S), ctypes.POINTER(S))
+        self.dev_type = function("ggml_backend_dev_type", ctypes.c_int, P)
+        self.dev_reg = function("ggml_backend_dev_backend_reg", P, P)
+        self.dev_by_type = function("ggml_backend_dev_by_type", P, ctypes.c_int)
+        self.dev_buffer_type = function("ggml_backend_dev_buffer_type", P, P)
         self.abort_callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
-        self.set_abort_callback = fn("ggml_set_abort_callback", P, self.abort_callback_type)
-
-    def _find(self, name: str):
-        for lib in self._libs:
-            try:
-                return lib[name]  # a function object of our own: llama_cpp's prototypes stay as they are
-            except AttributeError:
-                continue
-        if len(self._libs) == 1:  # Windows: open ggml's DLLs by name (the loaded ones)
-            from llama_cpp._ctypes_extensions import load_shared_library
-
-            self._libs += [load_shared_library(n, self._base_path) for n in ("ggml", "ggml-base")]
-            return self._find(name)
-        raise AttributeError(f"{name} is not in this llama-cpp-python's libraries")
+        self.set_abort_callback = function("ggml_set_abort_callback", P, self.abort_callback_type)
 
     def memory(self, dev: int) -> tuple[int, int]:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
