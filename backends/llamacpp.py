@@ -119,7 +119,7 @@ class LlamaCppBackend:
         """workers: llama.cpp RPC workers to split the model over (None: the ones `--rpc`
         registered for this process, if any; see localrun/cluster/rpc.py). repack=False keeps the
         weights in their stored layout instead of the CPU's gemm layouts (slower; rows of a
-        many-row step then drift less, see scripts/batch_drift.py)."""
+        many-row step then drift less, see scripts/lookup/batch_drift.py)."""
         self.kv_cache_type = check_kv_cache_type(kv_cache_type)
         init_llama()
         self._model = None

@@ -13,7 +13,7 @@ Memory of a loaded model = weights + KV cache + compute buffers + runtime overhe
   the whole reservation is taken; on the CPU only the pages a pass touches become
   resident, so the activations and the logits rows actually written are counted);
 - runtime overhead: the interpreter and the runtime libraries, measured
-  (scripts/fit_accuracy.py compares all of this with peak RSS).
+  (scripts/bench/fit_accuracy.py compares all of this with peak RSS).
 
 Verdicts: "Full GPU" (every layer on the GPU), "Partial" (some layers on the GPU, the
 rest in RAM), "CPU" (no usable GPU, fits in RAM), "Won't fit".
@@ -38,7 +38,7 @@ MIB = 1 << 20
 # buffers, so a verdict made here also holds for a served model.
 N_UBATCH = DEFAULT_N_BATCH
 LLAMA_SWA_FULL = True  # backends/llamacpp.py keeps llama.cpp's default (full-size SWA cache)
-# Measured with scripts/fit_accuracy.py: RSS of the interpreter with each runtime imported
+# Measured with scripts/bench/fit_accuracy.py: RSS of the interpreter with each runtime imported
 # (llama.cpp: 48 MiB for Python + the library, ~18 MiB of threads and graph metadata).
 OVERHEAD = {"llama.cpp": 66 * MIB, "mlx": 150 * MIB}
 # llama.cpp's vocabulary tables (token text, scores, the text->id map) and the engine's

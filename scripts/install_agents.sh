@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the coding agents the tests and scripts/bench_agents.py drive against
+# Install the coding agents the tests and scripts/bench/bench_agents.py drive against
 # `localrun serve`: Claude Code and Codex CLI, from npm, pinned, into
 # ${XDG_CACHE_HOME:-~/.cache}/localrun/agents/VERSIONS (outside the clone; a second run takes
 # no time). Prints the folder holding their executables (node_modules/.bin).

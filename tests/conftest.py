@@ -20,7 +20,7 @@ GEMMA3_GGUF = MODELS / "gemma-3-270m-q4_k_m.gguf"
 SMOLLM2_MLX = MODELS / "smollm2-135m-instruct-mlx-f16"
 QWEN_CODER_GGUF = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"  # tools template, FIM tokens
 
-FETCH_HINT = "run scripts/fetch_test_models.py (the README's test command does)"
+FETCH_HINT = "run scripts/fetch_test_models.py (scripts/test.sh, the README's test command, runs it)"
 
 
 def _need(path: Path) -> Path:

@@ -10,7 +10,7 @@ parsed and run by the agent (the file exists with its content), and stop the age
 
 Cost on the 2-core test machine: Codex's first request is ~10k tokens of instructions and
 tool schemas (read once; its second run finds them in the prefix cache), Claude Code's with
-one tool ~1k. scripts/bench_agents.py --agents runs both with their full default prompts.
+one tool ~1k. scripts/bench/bench_agents.py --agents runs both with their full default prompts.
 """
 
 from __future__ import annotations
@@ -140,5 +140,6 @@ def test_codex_runs_the_shell_command_the_model_called(agents, server, tmp_path)
         sessions.append(calls[:2])
         if (work / "hello.txt").exists():
             break
+    assert (work / "hello.txt").exists(), sessions  # the calls the model made in each session
     assert (work / "hello.txt").read_text().strip() == "hi", sessions
     assert any("hello.txt" in c.get("cmd", "") for c in calls), sessions

@@ -1,17 +1,13 @@
-"""scripts/bench_lookup.py's statistics: the paired ratio of two engines' speeds and the
+"""scripts/bench/bench_lookup.py's statistics: the paired ratio of two engines' speeds and the
 table rows it goes into (the benchmark itself runs for minutes and is not run here)."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-from bench_lookup import paired_ratio, task_rows  # noqa: E402
+from scripts.bench.bench_lookup import paired_ratio, task_rows
 
 
 def test_paired_ratio_is_the_geometric_mean_of_each_repeats_ratio_with_a_t_interval():

@@ -1,15 +1,10 @@
-"""scripts/bench_sampling.py's chain/greedy A/B on a real model, in miniature (the
+"""scripts/bench/bench_sampling.py's chain/greedy A/B on a real model, in miniature (the
 benchmark itself runs for minutes and is not run here): every step of both settings is
 timed, and the pair of speeds is what the generations' own timings report."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-from bench_sampling import chain_vs_greedy  # noqa: E402
+from scripts.bench.bench_sampling import chain_vs_greedy
 
 
 def test_chain_vs_greedy_times_every_step_of_both_settings(smollm2_gguf):

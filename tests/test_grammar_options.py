@@ -14,7 +14,7 @@
   the schema's own `x-guidance` says, and an answer's last tokens close what is open
   (json_budget); sampled answers on the small models (seeded, temperature 1.0) all
   validate, loops cut by max_tokens too, and never hold a blank line
-  (scripts/check_json_whitespace.py runs the same on 100 seeds).
+  (scripts/bench/check_json_whitespace.py runs the same on 100 seeds).
 """
 
 from __future__ import annotations
@@ -39,12 +39,10 @@ from localrun.sampling import SamplingParams
 from localrun.tools import HERMES, ToolChoice, call_grammar, parse_tools
 
 from fakes import ScriptedBackend
+from scripts.bench.check_json_whitespace import SCHEMA, sample_answers
 from test_grammar_limits import TwoByteBackend  # the byte vocabulary plus "aa", which forcing would refuse
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from check_json_whitespace import SCHEMA, sample_answers  # noqa: E402
 
 # -- one constructor ---------------------------------------------------------------------
 
@@ -415,7 +413,7 @@ def test_sampled_json_answers_validate_and_hold_no_blank_line(request, model, se
     """The issue's failure: SmolLM2 at temperature 0.9 wandered into blank lines after an
     array and never closed the object. Seeded, temperature 1.0, 120 tokens, decoded 8 at
     a time: every answer that stopped on its own validates, and none holds "\\n\\n" (the
-    100-seed numbers: scripts/check_json_whitespace.py)."""
+    100-seed numbers: scripts/bench/check_json_whitespace.py)."""
     answers = sample_answers(request.getfixturevalue(model), range(seeds), temperature=1.0, max_tokens=120)
     stopped = [a for a in answers if a.finish_reason == "stop"]
     # those that looped in their array too (SmolLM2's seed 8): closed in the last tokens

@@ -1,5 +1,5 @@
-"""scripts/lookup_step_ledger.py: the step alignment on steps written here (where the answer
-is known), and the script run as a user runs it on the real SmolLM2."""
+"""scripts/lookup/lookup_step_ledger.py: the step alignment on steps written here (where the
+answer is known), and the script run as a user runs it on the real SmolLM2."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from scripts.lookup.lookup_step_ledger import Step, _mean_se, estimate, ledger
 
-from lookup_step_ledger import Step, _mean_se, estimate, ledger  # noqa: E402
+pytestmark = pytest.mark.research
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = "scripts.lookup.lookup_step_ledger"
 
 FIRST = 50  # the position after the first token: decode steps start here
 
@@ -106,9 +107,9 @@ def test_the_table_prints_a_kept_draft_as_a_saving_and_a_rejected_one_as_a_cost(
 
 
 def test_the_script_prints_each_task_with_its_cost_and_ratio(smollm2_gguf):
-    done = subprocess.run([sys.executable, str(SCRIPTS / "lookup_step_ledger.py"), "--model", str(smollm2_gguf),
+    done = subprocess.run([sys.executable, "-m", SCRIPT, "--model", str(smollm2_gguf),
                            "--tasks", "edit", "bicycle", "--pairs", "2", "--max-tokens", "24", "--steps"],
-                          capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {m.group(1): m for m in re.finditer(
         r"^(edit|bicycle) +(\d)/2 +\d +(\d+) +([+-][\d.]+) ±.*?(\d\.\d{3}) \((\d\.\d{3})-(\d\.\d{3}|inf)\)", done.stdout, re.M)}
@@ -121,7 +122,7 @@ def test_the_script_prints_each_task_with_its_cost_and_ratio(smollm2_gguf):
 
 
 def test_an_unknown_task_is_one_error_line():
-    done = subprocess.run([sys.executable, str(SCRIPTS / "lookup_step_ledger.py"), "--tasks", "sonnet"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", SCRIPT, "--tasks", "sonnet"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.startswith("error: unknown task(s) ['sonnet']") and done.stderr.count("\n") == 1

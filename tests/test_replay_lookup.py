@@ -1,6 +1,6 @@
-"""scripts/replay_lookup.py's drift replay and scripts/record_drift.py, run as a user runs
-them (the recorder on the real SmolLM2; the replay on a small table written here, since
-measuring the real ones takes minutes)."""
+"""scripts/lookup/replay_lookup.py's drift replay and scripts/lookup/record_drift.py, run
+as a user runs them (the recorder on the real SmolLM2; the replay on a small table written
+here, since measuring the real ones takes minutes)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+import pytest
 
-from lookup_tasks import TASKS  # noqa: E402
-from record_drift import windows  # noqa: E402
-from replay_lookup import Drift  # noqa: E402
+from scripts.lookup.lookup_tasks import TASKS
+from scripts.lookup.record_drift import windows
+from scripts.lookup.replay_lookup import Drift
+
+pytestmark = pytest.mark.research
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", f"scripts.lookup.{script}", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_drift_is_each_step_over_its_width_at_the_recorded_median():
@@ -49,8 +52,8 @@ def test_replay_under_a_recorded_drift_reports_every_start(tmp_path):
     steps = [(t / 20, rows, ms * (1.5 if (t // 40) % 2 else 1.0))
              for t, (rows, ms) in enumerate([(1, 10.0), (1, 10.0), (20, 90.0), (49, 190.0)] * 50)]
     record.write_text(json.dumps({"model": "tiny", "steps": steps}))
-    quiet = _run("replay_lookup.py", "--load", str(session))
-    drifting = _run("replay_lookup.py", "--load", str(session), "--drift", str(record), "--drift-starts", "3")
+    quiet = _run("replay_lookup", "--load", str(session))
+    drifting = _run("replay_lookup", "--load", str(session), "--drift", str(record), "--drift-starts", "3")
     assert quiet.returncode == 0 and drifting.returncode == 0, quiet.stderr[-2000:] + drifting.stderr[-2000:]
     header = re.compile(r"LU/simple +lowest\n")
     assert not header.search(quiet.stdout) and header.search(drifting.stdout) and "from 3 starts" in drifting.stdout
@@ -67,14 +70,14 @@ def test_replay_refuses_a_missing_or_foreign_drift_record_in_one_line(tmp_path):
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps({"steps": [[0.0, 20, 90.0]]}))  # no one-row step to measure speed by
     for record in (tmp_path / "none.json", foreign, session):
-        done = _run("replay_lookup.py", "--load", str(session), "--drift", str(record))
+        done = _run("replay_lookup", "--load", str(session), "--drift", str(record))
         assert done.returncode == 2
-        assert done.stderr.strip().count("\n") == 0 and "record_drift.py" in done.stderr
+        assert done.stderr.strip().count("\n") == 0 and "scripts.lookup.record_drift" in done.stderr
 
 
 def test_record_drift_writes_its_steps_and_prints_each_window(smollm2_gguf, tmp_path):
     out = tmp_path / "drift.json"
-    done = _run("record_drift.py", "--model", str(smollm2_gguf), "--seconds", "3", "--window", "1", "--out", str(out))
+    done = _run("record_drift", "--model", str(smollm2_gguf), "--seconds", "3", "--window", "1", "--out", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     steps = json.loads(out.read_text())["steps"]
     assert {rows for _, rows, _ in steps} >= {1, 20, 49} and all(ms > 0 for _, _, ms in steps)
@@ -88,7 +91,7 @@ def test_record_drift_writes_its_steps_and_prints_each_window(smollm2_gguf, tmp_
 
 
 def test_record_drift_refuses_a_bad_argument_in_one_line(tmp_path):
-    done = _run("record_drift.py", "--seconds", "0", "--out", str(tmp_path / "d.json"))
+    done = _run("record_drift", "--seconds", "0", "--out", str(tmp_path / "d.json"))
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith("error: ")
 
@@ -104,7 +107,7 @@ def test_replayed_drafts_stop_before_the_recorded_turn_marks(tmp_path):
     for marks in ([], [mark]):
         path = tmp_path / f"marks{len(marks)}.json"
         path.write_text(json.dumps({"tiny": {"answers": answers, "control": marks, "cost": ratios}}))
-        done = _run("replay_lookup.py", "--load", str(path))
+        done = _run("replay_lookup", "--load", str(path))
         assert done.returncode == 0, done.stderr[-2000:]
         row = re.search(r"\n  rename +[\d.]+x +(\d+)/(\d+) ", done.stdout)
         assert row, done.stdout

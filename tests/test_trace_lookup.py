@@ -1,4 +1,4 @@
-"""scripts/trace_lookup.py, run as a user runs it: the real engine, a real test model."""
+"""scripts/lookup/trace_lookup.py, run as a user runs it: the real engine, a real test model."""
 
 from __future__ import annotations
 
@@ -8,11 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "trace_lookup.py"
+import pytest
+
+pytestmark = pytest.mark.research
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "scripts.lookup.trace_lookup", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_trace_shows_each_decision_of_a_copying_answer_and_the_step_that_verified_it(smollm2_gguf):

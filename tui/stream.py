@@ -28,7 +28,7 @@ FRAME_HZ = 15  # frames a second at most: smooth to read, a small fraction of a 
 MAX_UI_SHARE = 0.02
 # however busy the UI thread is (input, layout, a test's pilot all count as its CPU), the
 # answer on screen is never older than this: the share rule only thins frames out.
-# Measured (scripts/bench_chat_app.py, SmolLM2, 2 threads): 0.5 s gave app / cli
+# Measured (scripts/bench/bench_chat_app.py, SmolLM2, 2 threads): 0.5 s gave app / cli
 # 0.88-0.94, 0.75 s 0.98-1.1
 MAX_FRAME_GAP_S = 0.75
 GIL_SWITCH_S = 0.001  # while the app runs: how long a thread holding the GIL keeps a waiting one out

@@ -40,7 +40,7 @@ class LearnedEdits:
     edit that drops an opening bracket the source had also drops the bracket that closed
     it there: SmolLM2 copies `append(("short", raw))` as `append("short", raw)`, and
     without the mirror the draft that follows the learned `(` fails at `))` (a 13-row
-    step that kept 2 tokens, on the rename task of scripts/bench_lookup.py). The mirror
+    step that kept 2 tokens, on the rename task of scripts/bench/bench_lookup.py). The mirror
     is an edit of that one source token, not of every `))`.
     """
 

@@ -44,12 +44,12 @@ same row computed alone: llama.cpp's CPU backend multiplies a many-row batch wit
 kernels than one row (llamafile's sgemm for F16/Q8_0/Q4_0 weights and the F16 KV cache,
 a tiled kernel for K-quants from 8 rows, the repacked weights' gemm from 4 rows). On this
 project's 2-core AVX2 CPU with flash attention off, top-two margins moved by up to ~0.8
-on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/batch_drift.py). Without all three
+on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/lookup/batch_drift.py). Without all three
 (a -DGGML_LLAMAFILE=OFF build, GGML_CPU_TILED_MM=0, no repacking) rows are bit-identical,
 but prompt reading gets 1.1x (Q4_1) to 2.1x (K-quants) slower and a wide step 1.6-1.9x
 dearer, so localrun keeps the fast kernels. By default a greedy token is taken from a
 wide step's row as from a one-row step: a near-tie can go the other way than without
-lookup (measured: 26-30 of 36 answers identical from run to run, scripts/bench_lookup.py;
+lookup (measured: 26-30 of 36 answers identical from run to run, scripts/bench/bench_lookup.py;
 llama-server's n-gram modes kept 34 of the 36 in one same run, drafting only behind a
 12-token match, so that open chats rarely take a wide step). With
 `LookupConfig(exact_greedy=True)` it bounds the kernels' effect instead: `BatchDrift`
@@ -99,13 +99,13 @@ DECAY = 0.9  # per draft judged in a band: older evidence fades
 # of kept drafts the estimate reaches 0.99+. Where a row costs ~0.45 one-row steps
 # (SmolLM2 on this CPU) the expected gain barely rises past ~20 drafted tokens (a 48-token
 # draft is expected to pay 1-2% more than a 24-token one) while a departure in it loses
-# every row after it. Replayed on two measured tables (scripts/replay_lookup.py --load),
+# every row after it. Replayed on two measured tables (scripts/lookup/replay_lookup.py --load),
 # the lowest grounded task over ngram-simple went from 0.94 and 0.96 to 1.00 and 1.00
 # (SmolLM2's rename) and the lowest chat over lookup off from 0.89 and 0.99 to 0.96 and
 # 1.00, with the grounded geometric means over ngram-simple within -2.4% to +2.5% per
 # model; the one task it cost most, Gemma-3's quote in one table, went from 1.06x to
 # 0.96x lookup off (ngram-simple's 0.93x). On the real engine, the two rules alternating
-# on one model over 4 rounds of scripts/bench_lookup.py's seven tasks (paired geometric
+# on one model over 4 rounds of scripts/bench/bench_lookup.py's seven tasks (paired geometric
 # means, new over old): SmolLM2's grounded tasks 1.02x (rename 1.04x), Gemma-3's 0.99x,
 # their chats 1.00x and 1.02x.
 NEAR_BEST = 0.985
@@ -117,7 +117,7 @@ SHADOW_TOKENS = 4
 # A match at most 1/LOOP_REPEATS of its length back is a loop (the answer repeating a
 # phrase): its draft goes on around the loop instead of stopping where the history ends.
 # Replayed on the bench tasks' greedy answers with one table of measured step costs
-# (scripts/replay_lookup.py), it took SmolLM2's quote (a four-token loop) from 1.50x to
+# (scripts/lookup/replay_lookup.py), it took SmolLM2's quote (a four-token loop) from 1.50x to
 # 1.98x lookup off's speed and Gemma-3's trip from 1.86x to 1.95x, and no task lower;
 # without the guard, open chats drafted more tokens that failed.
 LOOP_REPEATS = 2
@@ -125,7 +125,7 @@ LOOP_REPEATS = 2
 # phrase the answer repeats, and a repeated phrase runs on for a while, then parts from
 # its first telling: having agreed for m tokens, it agrees for k more with odds of about
 # m / (m + k), on top of the band's acceptance. Replayed on four measured tables
-# (scripts/replay_lookup.py --load), the lowest chat went from 0.91-0.96x lookup off to
+# (scripts/lookup/replay_lookup.py --load), the lowest chat went from 0.91-0.96x lookup off to
 # 0.99-1.00x (SmolLM2's bicycle had drafted a three-token phrase repeat at the rate of the
 # code edits before it), while the grounded tasks' geometric mean over ngram-simple moved
 # by -1.0% to +0.6%. Applied to every match, copies of the prompt included, it cost
@@ -144,8 +144,8 @@ LOOP_REPEATS = 2
 # length, as every draft's did before: a 2-4-token match is chance wherever it was found,
 # and priced by copies alone, Qwen2.5's trip drafted 6-18 tokens behind a 2-token match of
 # its prompt at the code edits' 0.85-0.89 (0.948x lookup off by
-# scripts/lookup_step_ledger.py; 0.983x with the sharing, 0.988x before own slots).
-# Replayed on one measured table (scripts/replay_lookup.py --load, the last of 2 to 7
+# scripts/lookup/lookup_step_ledger.py; 0.983x with the sharing, 0.988x before own slots).
+# Replayed on one measured table (scripts/lookup/replay_lookup.py --load, the last of 2 to 7
 # rounds: 18 chat answers a model), SmolLM2's chats under 0.98x lookup off went from 2 of
 # 18 (lowest 0.96) to none (lowest 0.99), and to 3 of 18 (0.92) with a copy's starts. The
 # chats' geometric means moved 0.994 -> 0.998x, 1.918 -> 1.872x, 1.176 -> 1.152x
@@ -253,11 +253,11 @@ class LookupConfig:
     # by more than the model's measured batch drift, else let a one-row step decide (see
     # the module's "Temperature 0"). Off by default: over 36 answers it kept about as
     # many identical to lookup off (29 and 28 against 27 and 28 in two same-run
-    # measurements) while grounded tasks decoded 1.23-1.34x slower (scripts/bench_lookup.py
+    # measurements) while grounded tasks decoded 1.23-1.34x slower (scripts/bench/bench_lookup.py
     # --engines lr_lookup lr_exact ...).
     exact_greedy: bool = False
     # Drafts make the edits the answer made to what it copies (lookup_edits.LearnedEdits).
-    # Measured on the typo-fixing task, the one of scripts/bench_lookup.py's where the test
+    # Measured on the typo-fixing task, the one of scripts/bench/bench_lookup.py's where the test
     # models edit what they copy (they write the renames back unrenamed): decode 1.05x /
     # 1.17x / 1.38x on Gemma-3 / SmolLM2 / Qwen2.5 against learn_edits=False (medians of 3,
     # `--engines lr_lookup lr_noedit`), steps per answer 12-15 instead of 24-25, 29 instead
@@ -273,7 +273,7 @@ class Acceptance:
     mostly pass: once half of them failed at their first token, it can only lower it. What
     a code edit copied says little about the next request when that is a chat (there the
     same short matches are chance), and failed wide steps are what lookup must not pay
-    for. Measured (scripts/bench_lookup.py's seven tasks in order, one process, 3-4 runs):
+    for. Measured (scripts/bench/bench_lookup.py's seven tasks in order, one process, 3-4 runs):
     never lifting the start cost Gemma-3's code edits 15-20%; always lifting it made
     SmolLM2's chats after the edits 0.83-0.90x lookup off. A phrase of the answer's own
     has slots of its own (_slot), whose start the model's record never lifts; its verdicts
@@ -385,9 +385,9 @@ class DraftController:
         # weekend trip") goes on in its own words, not with "<|im_end|>". Drafted through
         # them, Qwen2.5's trip, asked alone, drafted 5-16 tokens there and kept one, every
         # answer; held back, 0.981x (0.970-0.992) -> 0.995x (0.988-1.003) and, rerun,
-        # 0.988x (0.980-0.995) lookup off (scripts/lookup_step_ledger.py, 24 pairs; what
+        # 0.988x (0.980-0.995) lookup off (scripts/lookup/lookup_step_ledger.py, 24 pairs; what
         # is left is " You" drafting "are a helpful assistant." from the system prompt,
-        # none of it kept). Replayed (scripts/replay_lookup.py),
+        # none of it kept). Replayed (scripts/lookup/replay_lookup.py),
         # Qwen2.5's typos 1.15x -> 1.23x, SmolLM2's rename 1.41x -> 1.45x lookup off.
         if not self.control.isdisjoint(candidate):
             candidate = list(takewhile(lambda t: t not in self.control, candidate))
@@ -477,7 +477,7 @@ class BatchDrift:
 
     SAMPLE_ROWS = 48
     # A 48-row maximum understates the true one, so the margin is a multiple of it. 1.5
-    # covers every row of scripts/batch_drift.py (4 prompts x 64 tokens, 16-row steps) on
+    # covers every row of scripts/lookup/batch_drift.py (4 prompts x 64 tokens, 16-row steps) on
     # the three test models, and it kept as many of 36 answers identical as 2.5 did
     # (32 vs 29, bench_lookup.py --identity-only --threads 1), while 2.5 left so many
     # copied rows to one-row steps that Gemma-3's two code edits decoded at 80 and 63

@@ -24,7 +24,7 @@ Why not a ratio to recent one-row steps (localrun's earlier rule): a wide width 
 once keeps the moment it was measured in. Traced on SmolLM2's edit task, the prices
 carried into an answer were 40-50% above a quiet table (20 rows at 15.2 one-row steps
 against 9.1), and the answer drafted 5 tokens at a time at a 98% acceptance rate.
-Replayed (scripts/replay_lookup.py --load TABLE --drift RECORD --drift-starts 12) on two
+Replayed (scripts/lookup/replay_lookup.py --load TABLE --drift RECORD --drift-starts 12) on two
 measured tables and two recorded drifts, the grounded tasks' geometric mean over
 ngram-simple went from 1.25-1.27 / 1.09-1.14 / 1.14-1.18 to 1.29-1.31 / 1.13-1.17 /
 1.17-1.23 (SmolLM2 / Gemma-3 / Qwen2.5); on the quiet tables alone, from 1.27-1.30 /

@@ -1,7 +1,7 @@
 """Sampled JSON-schema answers on the small test models: how many are valid JSON.
 
-    .venv/bin/python scripts/check_json_whitespace.py            # 100 seeds per model
-    .venv/bin/python scripts/check_json_whitespace.py --seeds 20 --temperature 0.9
+    .venv/bin/python -m scripts.bench.check_json_whitespace            # 100 seeds per model
+    .venv/bin/python -m scripts.bench.check_json_whitespace --seeds 20 --temperature 0.9
 
 Issue 49: llguidance's default JSON grammar takes any whitespace between tokens, and a
 sampled answer could wander into blank lines until max_tokens cut it as invalid JSON
@@ -24,14 +24,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jsonschema
 
-import jsonschema  # noqa: E402
-
-from localrun.engine import Engine  # noqa: E402
-from localrun.grammar.core import Grammar  # noqa: E402
-from localrun.request import GenerationRequest, prepare  # noqa: E402
-from localrun.sampling import SamplingParams  # noqa: E402
+from localrun.engine import Engine
+from localrun.grammar.core import Grammar
+from localrun.request import GenerationRequest, prepare
+from localrun.sampling import SamplingParams
 
 MODELS = Path.home() / ".cache" / "localrun" / "test-models"
 MODEL_FILES = {

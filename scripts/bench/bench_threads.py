@@ -10,7 +10,7 @@ default / best N (of the medians, and the median of same-round ratios); "busy" p
 spinning process to CPU 0. "idle" means no spinner of ours: the load average printed
 says how idle the machine really was. Writes JSON.
 
-    python scripts/bench_threads.py [--model smollm2.gguf] [--n-gen 100] [--repeat 3]
+    python -m scripts.bench.bench_threads [--model smollm2.gguf] [--n-gen 100] [--repeat 3]
 
 Goals (issue 16): busy, default >= 0.90x the best N; idle, default >= 0.95x today's
 default (every physical core: the largest N).

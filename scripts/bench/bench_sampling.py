@@ -23,8 +23,8 @@ path (localrun/sampling/fused.py: its phases are the "stages") and stage by stag
 The engine-loop numbers are the ones that count: right after a decode the caches hold
 the weights, and a stage costs there 2-3x what it costs on a captured row.
 
-    python scripts/bench_sampling.py [--models a.gguf b.gguf] [--n-gen 128] [--repeat 3]
-    python scripts/bench_sampling.py --stages-only      # just the per-stage costs
+    python -m scripts.bench.bench_sampling [--models a.gguf b.gguf] [--n-gen 128] [--repeat 3]
+    python -m scripts.bench.bench_sampling --stages-only      # just the per-stage costs
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_lookup import paired_ratio
+from scripts.lookup.common import paired_ratio
 
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
 TOOLS = Path(os.environ.get("LOCALRUN_TOOLS", Path.home() / ".cache" / "localrun" / "tools"))

@@ -9,22 +9,27 @@ its prediction is for the asked context. mlx-lm's cache grows as tokens arrive (
 steps of 256), so an MLX model is predicted at the 640 tokens this run holds; its fit
 verdict is judged at the full context.
 
-Goal (issue 6): within 15%, never under by more than 10%.
+Goal (issue 6): within 15%, never under by more than 10%. quant/selector.py's measured
+overheads (OVERHEAD) come from this script. Exit status 1 where the goal is not met.
 
-    .venv/bin/python scripts/fit_accuracy.py [--json OUT.json]
+    .venv/bin/python -m scripts.bench.fit_accuracy [--json OUT.json] [--ctx N ...]
+
+Last printed (--ctx 2048, the project's 2-core x86 CPU): predicted over measured peak RSS
++11.8% SmolLM2 Q4_1 (264/236 MiB), +3.0% Gemma-3 Q4_K_M (423/410 MiB), +5.2% SmolLM2 MLX
+f16 (443/421 MiB): goal met.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
+MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
+TEST_MODELS = ("smollm2-135m-instruct-q4_1.gguf", "gemma-3-270m-q4_k_m.gguf", "smollm2-135m-instruct-mlx-f16")
 PREFILL, DECODE = 512, 128
 
 CHILD = r"""
@@ -62,13 +67,11 @@ def predict(path: Path, n_ctx: int):
 
 
 def main() -> int:
-    from conftest import GEMMA3_GGUF, SMOLLM2_GGUF, SMOLLM2_MLX
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--ctx", type=int, action="append", help="contexts to measure (default 2048 and 8192)")
     args = ap.parse_args()
-    models = [p for p in (SMOLLM2_GGUF, GEMMA3_GGUF, SMOLLM2_MLX) if p.exists()]
+    models = [MODELS / name for name in TEST_MODELS if (MODELS / name).exists()]
     if not models:
         raise SystemExit("no test models: run scripts/fetch_test_models.py")
     rows = []

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Prefill and decode speed of localrun against its peers, on the same models and threads.
 
-    python scripts/bench.py --quick            # smoke run: ~1-2 min on a quiet 2-core box
-    python scripts/bench.py                    # every test model, 3 rounds, medians
-    python scripts/bench.py --threads 1 --native-depth --lookup   # steadier on a busy box
-    python scripts/bench.py --models smollm2-135m-instruct-q4_1.gguf --repeat 5
+    python -m scripts.bench.bench --quick            # smoke run: ~1-2 min on a quiet 2-core box
+    python -m scripts.bench.bench                    # every test model, 3 rounds, medians
+    python -m scripts.bench.bench --threads 1 --native-depth --lookup   # steadier on a busy box
+    python -m scripts.bench.bench --models smollm2-135m-instruct-q4_1.gguf --repeat 5
 
 Plain localrun rows run with prompt-lookup speculation off (the peers have none);
 --lookup adds a `+lookup` row with it on. --native-depth makes llama-bench decode after
@@ -16,7 +16,7 @@ attend with the flash-attention setting localrun's backend chose (backends/atten
 so that a ratio compares engines, not attention kernels.
 MLX rows: localrun's MLX backend and `mlx_lm.stream_generate`.
 
-Every engine runs in its own process (scripts/bench_peers.py) and is fed the same token
+Every engine runs in its own process (scripts/bench/bench_peers.py) and is fed the same token
 ids, made by localrun's tokenizer from a long English text; llama-bench makes its own
 random prompt of the same length. --repeat rounds each run every engine once (fresh
 process, one warm-up, empty cache); each number is the median over the rounds. Results
@@ -39,8 +39,8 @@ from pathlib import Path
 
 from localrun.hardware import inference_threads
 
-HERE = Path(__file__).resolve().parent
-PEERS = HERE / "bench_peers.py"
+REPO = Path(__file__).resolve().parents[2]
+PEERS = "scripts.bench.bench_peers"  # run with -m from REPO
 SMOLLM2, GEMMA3, SMOLLM2_MLX = (
     "smollm2-135m-instruct-q4_1.gguf", "gemma-3-270m-q4_k_m.gguf", "smollm2-135m-instruct-mlx-f16")
 WORKER_TIMEOUT_S = 900
@@ -79,7 +79,7 @@ def run_worker(engine: str, job: dict) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     try:
-        p = subprocess.run([sys.executable, str(PEERS), engine, f.name], capture_output=True,
+        p = subprocess.run([sys.executable, "-m", PEERS, engine, f.name], capture_output=True, cwd=REPO,
                            text=True, timeout=WORKER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {WORKER_TIMEOUT_S}s"}
@@ -253,7 +253,7 @@ def main() -> int:
             print(f"note: {what} {p} is missing; skipping it (python scripts/fetch_test_models.py makes it)",
                   file=sys.stderr)
             continue
-        models.append(p)
+        models.append(p.resolve())  # the workers run in REPO
 
     if not models:
         print("error: no model to benchmark", file=sys.stderr)

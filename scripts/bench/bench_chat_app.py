@@ -19,8 +19,8 @@ Both sides: the same model, chat template, temperature 0, --max-tokens, --thread
 and prompt lookup setting, so with lookup off they decode the same tokens; the script checks
 that the answers are the same text and the token counts are equal, and says so.
 
-    python scripts/bench_chat_app.py [--model PATH] [--repeat 3] [--max-tokens 200]
-                                     [--threads N|fitted] [--driver tmux|pilot] [--busy] [--long]
+    python -m scripts.bench.bench_chat_app [--model PATH] [--repeat 3] [--max-tokens 200]
+                                           [--threads N|fitted] [--driver tmux|pilot] [--busy] [--long]
 
 --threads fitted passes no --threads to either side, so both fit their threads to the load
 as a user's `localrun chat` and `localrun run` do. --busy keeps one core spinning in
@@ -51,9 +51,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench_lookup import paired_ratio
+from scripts.lookup.common import paired_ratio
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache" / "localrun" / "test-models"))
 DEFAULT_MODEL = MODELS / "smollm2-135m-instruct-q4_1.gguf"
 QUESTION = "Write a Python function that parses a CSV file and returns the average of each numeric column."

@@ -1,13 +1,13 @@
 """How far a wide step's rows stray from the same rows decoded one at a time, on one
 GGUF model as localrun's llama.cpp backend runs it (the number behind speculative.BatchDrift).
 
-For each of a few grounded prompts (scripts/lookup_tasks.py, raw): 64 greedy tokens are
+For each of a few grounded prompts (scripts/lookup/lookup_tasks.py, raw): 64 greedy tokens are
 decoded one row at a time, then the same tokens again in steps of --width rows. Prints
 the largest change of a top-two margin, the largest logit difference and how many
 argmaxes flipped. 0 / 0 / 0 means wide rows are bit-identical to one-row rows (lookup
 then changes nothing at temperature 0).
 
-    .venv/bin/python scripts/batch_drift.py MODEL.gguf [--width 16] [--tokens 64] [--no-repack]
+    .venv/bin/python -m scripts.lookup.batch_drift MODEL.gguf [--width 16] [--tokens 64] [--no-repack]
     LOCALRUN_FLASH_ATTN=on|off ...          # the attention kernel
     GGML_CPU_TILED_MM=0 ...                 # no tiled K-quant kernel for 8+ rows
     LLAMA_CPP_LIB_PATH=/build/bin ...       # another llama.cpp build (same version), e.g.
@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from localrun.backends.base import BatchEntry  # noqa: E402
-from localrun.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from localrun.lookup.speculative import margin_change  # noqa: E402
-from lookup_tasks import prompt_texts  # noqa: E402
+from localrun.backends.base import BatchEntry
+from localrun.backends.llamacpp import LlamaCppBackend
+from localrun.lookup.speculative import margin_change
+from scripts.lookup.lookup_tasks import prompt_texts
 
 PREFILL_CHUNK = 256
 

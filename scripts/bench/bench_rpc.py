@@ -1,7 +1,7 @@
 """Decode speed of a GGUF split over two loopback `localrun rpc-worker`s against the same
 model run locally, and what each generated token puts on the wire.
 
-    .venv/bin/python scripts/bench_rpc.py [--model PATH] [--tokens 64] [--repeat 3] [--json OUT]
+    .venv/bin/python -m scripts.bench.bench_rpc [--model PATH] [--tokens 64] [--repeat 3] [--json OUT]
 
 Four setups, one after the other: local; two workers reached directly from this process;
 the same two with the model in a child process, as `serve --rpc` hosts it
@@ -31,16 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.serving import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = Path.home() / ".cache" / "localrun" / "test-models" / "smollm2-135m-instruct-q4_1.gguf"
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 LAN_BYTES_PER_S = 125e6  # 1 Gb/s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_worker(port: int, threads: int, log_dir: Path) -> subprocess.Popen:
@@ -169,7 +165,6 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(ROOT))
     from localrun.cluster import rpc
 
     ok, why = rpc.availability()

@@ -1,6 +1,7 @@
-"""Task texts for scripts/bench_lookup.py: prompts whose answer copies the prompt
-(grounded: where prompt lookup pays) and open-ended chat (the control, where it must
-not cost), plus a few more short prompts for the temperature-0 identity check.
+"""Task texts for scripts/bench/bench_lookup.py and the instruments here: prompts whose
+answer copies the prompt (grounded: where prompt lookup pays) and open-ended chat (the
+control, where it must not cost), plus a few more short prompts for the temperature-0
+identity check; and an engine with the tasks' prompts, and one greedy answer on it.
 
 Each task is (group, chat message for instruct models, raw prompt for base models):
 an instruct model gets its chat template applied to the message, a base model (no
@@ -161,12 +162,13 @@ def prompt_texts(chat: bool) -> dict[str, str]:
     return out
 
 
-def task_prompts(eng, names) -> dict[str, list[int]]:
-    """The named tasks' prompts as `eng` reads them: through the model's chat template where
-    it has one (an instruct model), as raw text otherwise (a base model)."""
+def task_prompts(eng, names=None) -> dict[str, list[int]]:
+    """The named tasks' prompts (all of prompt_texts' where `names` is None) as `eng` reads
+    them: through the model's chat template where it has one (an instruct model), as raw
+    text otherwise (a base model)."""
     chat = eng.info.chat_template is not None
     return {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
-            for n, t in prompt_texts(chat).items() if n in names}
+            for n, t in prompt_texts(chat).items() if names is None or n in names}
 
 
 @contextmanager

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Agent sessions stay warm: turn 2 of a long conversation reads only its new tokens.
 
-    python scripts/bench_agents.py                     # Qwen2.5-Coder, ~10.5k-token prompt (--tokens 13000), 3 dialects
-    python scripts/bench_agents.py --tokens 12000 --dialects messages responses --json agents.json
-    python scripts/bench_agents.py --agents            # also the real Claude Code and Codex CLI, two turns each
+    python -m scripts.bench.bench_agents               # Qwen2.5-Coder, ~10.5k-token prompt (--tokens 13000), 3 dialects
+    python -m scripts.bench.bench_agents --tokens 12000 --dialects messages responses --json agents.json
+    python -m scripts.bench.bench_agents --agents      # also the real Claude Code and Codex CLI, two turns each
 
 An agent resends its whole conversation every turn. Per dialect (Anthropic Messages,
 OpenAI Responses, OpenAI Chat Completions), through the official SDK's stream: turn 1 sends
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from serving import Server  # noqa: E402
+from tests.serving import Server
+
+REPO = Path(__file__).resolve().parents[2]
 
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache/localrun/test-models"))
 QWEN = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """`localrun serve` against native `llama-server -np 4` under concurrent streaming clients.
 
-    python scripts/bench_serve.py --quick          # smoke run: 1 repeat, 32 tokens
-    python scripts/bench_serve.py                  # SmolLM2, 1/2/4/8 clients, 3 repeats, medians
-    python scripts/bench_serve.py --model gemma3 --json serve.json
+    python -m scripts.bench.bench_serve --quick          # smoke run: 1 repeat, 32 tokens
+    python -m scripts.bench.bench_serve                  # SmolLM2, 1/2/4/8 clients, 3 repeats, medians
+    python -m scripts.bench.bench_serve --model gemma3 --json serve.json
 
 Both servers get the same GGUF (a copy with FIM token ids, tests/serving.py, so /infill works),
 threads, slots and context per slot (llama-server splits -c over its slots: -c ctx*parallel);
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from serving import FIM_IDS, free_port, make_fim_copy, stop_process  # noqa: E402
+from tests.serving import FIM_IDS, free_port, make_fim_copy, stop_process
+
+REPO = Path(__file__).resolve().parents[2]
 
 MODELS = Path(os.environ.get("LOCALRUN_TEST_MODELS", Path.home() / ".cache/localrun/test-models"))
 ALIASES = {"smollm2": MODELS / "smollm2-135m-instruct-q4_1.gguf", "gemma3": MODELS / "gemma-3-270m-q4_k_m.gguf"}

@@ -8,8 +8,8 @@ takes 18.9 ms after the 293-token edit prompt and 24.5 ms after the 662-token re
 prompt, and 10 rows cost 6.1 and 5.4 one-row steps there), so one table measured after
 the longest prompt under-prices wide steps for the shorter ones.
 
-    python scripts/replay_lookup.py                  # all three test models
-    python scripts/replay_lookup.py --models gemma --max-tokens 160
+    python -m scripts.lookup.replay_lookup                  # all three test models
+    python -m scripts.lookup.replay_lookup --models gemma --max-tokens 160
 
 Why: decode speed on a shared 2-core machine moves by +-15% from run to run, more than
 what separates two drafting rules, and where a wide step's row breaks a near-tie the
@@ -34,7 +34,7 @@ The ngram-simple rule, as llama-server's documentation and defaults give it: dra
 the last 12 tokens occurred earlier; the draft is what followed the most recent such
 occurrence, up to 48 tokens, and nothing when fewer than 12 followed.
 
-With `--drift FILE` (written by scripts/record_drift.py) the times StepCost observes
+With `--drift FILE` (written by scripts/lookup/record_drift.py) the times StepCost observes
 also carry a recorded stretch of the machine's own drift and jitter: each replayed step's
 time is multiplied by the recorded speed factor at the replay's clock (the sum of its
 steps' ms so far), starting `--drift-starts` times at evenly spaced points of the record.
@@ -42,7 +42,7 @@ A plan is still costed at the quiet table, so what the drift changes is only wha
 controller believed when it chose; each task's x and LU/simple are then geometric means
 over the starts, with the lowest LU/simple of any start beside them.
 
-Tasks run in scripts/bench_lookup.py's order, `--rounds` times through, after its warm-up
+Tasks run in scripts/bench/bench_lookup.py's order, `--rounds` times through, after its warm-up
 (16 tokens of the first task), with one model acceptance record and one StepCost carried
 across them as one engine carries them; the last round is printed (the plans of a
 session under way, as the benchmark's repeats see them).
@@ -55,8 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_lookup import MODELS, WARM_TOKENS, _geo, resolve_model
-from lookup_tasks import TASKS, prompt_texts
+from scripts.lookup.common import MODELS, WARM_TOKENS, geo_mean, no_model_files, resolve_model
+from scripts.lookup.lookup_tasks import TASKS, task_engine
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 17, 20, 24, 28, 33, 40, 44, 48, 49)
 SIMPLE_MATCH, SIMPLE_DRAFT = 12, 48  # ngram-simple's defaults: lookup n-gram, longest draft
@@ -76,7 +76,7 @@ class CostTable:
 
 
 class Drift:
-    """A recorded stretch of the machine's speed (scripts/record_drift.py): each recorded
+    """A recorded stretch of the machine's speed (scripts/lookup/record_drift.py): each recorded
     step's time over what its width costs on that record's median, by time."""
 
     def __init__(self, steps: list) -> None:
@@ -127,15 +127,9 @@ class Session:
 def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
     """Greedy answers (lookup off) to every task, and a step-cost table after each task's
     prompt, for one model."""
-    from localrun.engine import Engine
     from localrun.sampling import SamplingParams
 
-    eng = Engine.open(path, n_ctx=4096, threads=threads)
-    try:
-        chat = eng.info.chat_template is not None
-        texts = prompt_texts(chat)
-        prompts = {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
-                   for n, t in texts.items() if n in TASKS}
+    with task_engine(path, threads, TASKS) as (eng, prompts):
         answers = {}
         for name, prompt in prompts.items():
             eng.backend.kv_clear(0)
@@ -144,8 +138,6 @@ def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
         control = sorted({t for prompt in prompts.values() for t in eng.turn_marks(prompt)})
         return {"answers": answers, "control": control,
                 "cost": {name: measure_table(eng.backend, prompt, reps) for name, prompt in prompts.items()}}
-    finally:
-        eng.close()
 
 
 def read_prompt(be, prompt: list[int]) -> None:
@@ -261,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write answers, cost tables and plans as JSON")
     ap.add_argument("--load", help="replay the answers and cost tables of an earlier --out instead of "
                     "measuring (two versions of the controller judged on the same table)")
-    ap.add_argument("--drift", help="a recorded drift (scripts/record_drift.py) the observed step times carry")
+    ap.add_argument("--drift", help="a recorded drift (scripts/lookup/record_drift.py) the observed step times carry")
     ap.add_argument("--drift-starts", type=int, default=6, help="replays per model, from evenly spaced points "
                     "of the drift record (default 6)")
     args = ap.parse_args(argv)
@@ -270,7 +262,8 @@ def main(argv=None) -> int:
         print(f"error: no file {args.load}: give a file that an earlier run wrote with --out", file=sys.stderr)
         return 2
     if args.drift and not Path(args.drift).is_file():
-        print(f"error: no file {args.drift}: record one with scripts/record_drift.py --out FILE", file=sys.stderr)
+        print(f"error: no file {args.drift}: record one with python -m scripts.lookup.record_drift --out FILE",
+              file=sys.stderr)
         return 2
     if args.drift_starts < 1:
         print("error: --drift-starts must be 1 or more", file=sys.stderr)
@@ -279,13 +272,11 @@ def main(argv=None) -> int:
         drift = Drift(json.loads(Path(args.drift).read_text())["steps"]) if args.drift else None
     except (ValueError, KeyError, TypeError, IndexError):
         print(f"error: {args.drift} is not a drift record with one-row steps: record one with "
-              "scripts/record_drift.py --out FILE", file=sys.stderr)
+              "python -m scripts.lookup.record_drift --out FILE", file=sys.stderr)
         return 2
     loaded = json.loads(Path(args.load).read_text()) if args.load else {}
     resolved = [resolve_model(m) for m in (list(loaded) or args.models)]
-    missing = [str(p) for label, p in resolved if not p.exists() and label not in loaded]
-    if missing:
-        print(f"error: no model file {', '.join(missing)}: run scripts/fetch_test_models.py", file=sys.stderr)
+    if no_model_files(p for label, p in resolved if label not in loaded):
         return 2
     report = {}
     print(f"x = lookup off's steps / the plan's cost in one-row steps; a/d = accepted/drafted; "
@@ -309,7 +300,7 @@ def main(argv=None) -> int:
             plain = len(data["answers"][name][1]) - 1
             simple = plain / r["simple"][0]  # ngram-simple's plan does not depend on prices
             lus = [plain / run[name]["localrun"][0] for run in runs]
-            lu = _geo(lus)
+            lu = geo_mean(lus)
             ratios.setdefault(TASKS[name][0], []).append((lu, lu / simple))
             accepted, drafted = (sum(run[name]["localrun"][i] for run in runs) for i in (2, 3))
             lowest = f"{min(lus) / simple:>9.2f}" if drift else ""
@@ -317,8 +308,8 @@ def main(argv=None) -> int:
                   f"{r['simple'][2]:>5}/{r['simple'][3]:<4}{lu / simple:>11.2f}{lowest}")
         for group, pairs in ratios.items():
             x, vs = [p[0] for p in pairs], [p[1] for p in pairs]
-            print(f"  {group}: localrun x {_geo(x):.2f} (lowest {min(x):.2f}), "
-                  f"LU/simple {_geo(vs):.2f} (lowest {min(vs):.2f}), geometric means")
+            print(f"  {group}: localrun x {geo_mean(x):.2f} (lowest {min(x):.2f}), "
+                  f"LU/simple {geo_mean(vs):.2f} (lowest {min(vs):.2f}), geometric means")
         report[label] = {"answers": data["answers"], "control": data.get("control", []), "cost": data["cost"],
                          "plans": rows}
     if args.out:

@@ -3,8 +3,8 @@
 on and with it off, back to back on one engine, and every step of the lookup answer set
 against the lookup-off steps over the same positions.
 
-    python scripts/lookup_step_ledger.py --model smollm2 --tasks chat --pairs 16
-    python scripts/lookup_step_ledger.py --model qwen --tasks trip poem --pairs 12
+    python -m scripts.lookup.lookup_step_ledger --model smollm2 --tasks chat --pairs 16
+    python -m scripts.lookup.lookup_step_ledger --model qwen --tasks trip poem --pairs 12
 
 Why: on a chat, lookup drafts a few times an answer, so its speed differs from lookup off by
 a percent or two, while on this project's shared CPU one answer's decode time wanders by
@@ -34,8 +34,8 @@ import argparse, math, statistics, sys, time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from bench_lookup import MODELS, WARM_TOKENS, existing_model, first_diff, paired_ratio, t975
-from lookup_tasks import TASKS, greedy_answer, task_engine
+from scripts.lookup.common import MODELS, WARM_TOKENS, existing_model, first_diff, paired_ratio, t975
+from scripts.lookup.lookup_tasks import TASKS, greedy_answer, task_engine
 
 KINDS = ("wide", "after", "plain")
 

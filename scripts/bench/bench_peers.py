@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Worker half of scripts/bench.py: one engine, one model, in its own process.
+"""Worker half of scripts/bench/bench.py: one engine, one model, in its own process.
 
-    python scripts/bench_peers.py ENGINE JOB.json
+    python -m scripts.bench.bench_peers ENGINE JOB.json     # from the repository's root
 
 ENGINE is one of `tokens`, `localrun`, `llama_cpp`, `mlx_lm`. JOB.json holds the model
 path, threads, n_ctx, n_gen, a short warm-up prompt and one prompt (a list of token ids)
@@ -44,9 +44,6 @@ def _run(prefill_s: float, n_prompt: int, decode_s: float, n_decode: int, **extr
 # -- localrun -------------------------------------------------------------------------
 
 def _open_localrun(job: dict):
-    repo = Path(__file__).resolve().parent.parent
-    if str(repo) not in sys.path:  # works from a plain checkout too, not only editable
-        sys.path.insert(0, str(repo))
     from localrun.engine import Engine
 
     # MLX sizes its own thread pool and refuses a thread count (mlx_lm gets none either)
@@ -67,7 +64,7 @@ def work_tokens(job: dict) -> dict:
 
 def work_localrun(job: dict) -> dict:
     eng = _open_localrun(job)
-    from localrun.sampling import SamplingParams  # after _open_localrun fixed sys.path
+    from localrun.sampling import SamplingParams
 
     kw = {"sampling": SamplingParams(temperature=0.0), "ignore_eos": True}
     # Prompt-lookup speculation is on by default in the engine; the peers have none, so a
@@ -93,7 +90,7 @@ def work_localrun(job: dict) -> dict:
                 "finish_reason": res.finish_reason,
                 **{k: getattr(t, k) for k in ("steps", "drafted", "accepted") if hasattr(t, k)},
             })
-        # the peers are told to attend the same way (scripts/bench.py passes it on)
+        # the peers are told to attend the same way (scripts/bench/bench.py passes it on)
         flash_attn = getattr(eng.backend, "flash_attn", None)
     finally:
         eng.close()
@@ -177,7 +174,7 @@ WORKERS = {
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in WORKERS:
-        print(f"usage: bench_peers.py {{{','.join(WORKERS)}}} JOB.json", file=sys.stderr)
+        print(f"usage: python -m scripts.bench.bench_peers {{{','.join(WORKERS)}}} JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[1]).read_text())
     _emit(WORKERS[argv[0]](job))

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Why prompt lookup drafted what it drafted: one lookup task on the real engine, traced
-decision by decision. The tasks run in scripts/bench_lookup.py's order (its warm-up, then
+decision by decision. The tasks run in scripts/bench/bench_lookup.py's order (its warm-up, then
 each task with lookup and again without, `--rounds` times through) on one engine, so the
 step costs and the acceptance record it carries are the ones a benchmark run sees (the
 benchmark also rotates which engine runs a task first; here lookup always does); the
 traced task is the one of the last round.
 
-    python scripts/trace_lookup.py --model gemma --task edit
-    python scripts/trace_lookup.py --model smollm2 --task bicycle --rounds 1
-    python scripts/trace_lookup.py --model smollm2 --task rename --text
+    python -m scripts.lookup.trace_lookup --model gemma --task edit
+    python -m scripts.lookup.trace_lookup --model smollm2 --task bicycle --rounds 1
+    python -m scripts.lookup.trace_lookup --model smollm2 --task rename --text
 
 For every step of the traced answer where the history's tail matched earlier text: the
 match length, its band and acceptance rate, the draft length chosen, and the price the
@@ -19,7 +19,7 @@ A run of plain steps without a match prints as one line. With `--text`, each dec
 also shows the history's last tokens and the draft as text (where a copy parted from its
 source, and which occurrence a match took).
 
-Why: the benchmark's tok/s says that a plan was slow, the replay (scripts/replay_lookup.py)
+Why: the benchmark's tok/s says that a plan was slow, the replay (scripts/lookup/replay_lookup.py)
 what a plan would cost on a quiet machine; this says what the engine believed when it chose,
 e.g. a width priced from a slow moment of an earlier answer.
 """
@@ -29,8 +29,8 @@ from __future__ import annotations
 import argparse, statistics, sys
 from contextlib import contextmanager
 
-from bench_lookup import MODELS, WARM_TOKENS, existing_model
-from lookup_tasks import TASKS, greedy_answer, task_engine
+from scripts.lookup.common import MODELS, WARM_TOKENS, existing_model
+from scripts.lookup.lookup_tasks import TASKS, greedy_answer, task_engine
 
 PRICED = (2, 4, 8, 12, 20, 30, 40, 49)  # widths whose price each decision prints
 

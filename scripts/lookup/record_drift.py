@@ -2,12 +2,12 @@
 """Record how this machine's speed drifts while a model steps: after one prompt, steps of
 1 to 49 rows in a fixed interleaved cycle, each timed, for `--seconds`.
 
-    python scripts/record_drift.py --model smollm2 --seconds 240 --out drift.json
+    python -m scripts.lookup.record_drift --model smollm2 --seconds 240 --out drift.json
 
 It prints, per window of `--window` seconds, the one-row step's median ms and each width's
 median over it: where the first column moves and the others hold, the machine's speed
 drifted while the model's cost shape stayed (what localrun/lookup/step_cost.py assumes). The file
-feeds `scripts/replay_lookup.py --drift`, which replays drafting plans against this
+feeds `python -m scripts.lookup.replay_lookup --drift`, which replays drafting plans against this
 recorded drift instead of a quiet machine.
 """
 
@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse, json, statistics, sys, time
 from pathlib import Path
 
-from bench_lookup import MODELS, existing_model
-from lookup_tasks import prompt_texts
-from replay_lookup import read_prompt, timed_step
+from scripts.lookup.common import MODELS, existing_model
+from scripts.lookup.lookup_tasks import task_engine
+from scripts.lookup.replay_lookup import read_prompt, timed_step
 
 # one-row steps between the wide ones, as a drafting answer's are
 CYCLE = (1, 1, 20, 1, 49, 1, 1, 6, 1, 12, 1, 33, 1, 1, 3)
@@ -27,12 +27,8 @@ SHOWN = (3, 6, 12, 20, 33, 49)
 
 def record(path: Path, seconds: float, threads: int, task: str = "edit") -> list[tuple[float, int, float]]:
     """(seconds since the start, rows, ms) of each timed step."""
-    from localrun.engine import Engine
-
-    eng = Engine.open(path, n_ctx=4096, threads=threads)
-    try:
-        text = prompt_texts(eng.info.chat_template is not None)[task]
-        prompt = eng.chat_prompt([{"role": "user", "content": text}]) if eng.info.chat_template else eng.tokenize(text)
+    with task_engine(path, threads, [task]) as (eng, prompts):
+        prompt = prompts[task]
         read_prompt(eng.backend, prompt)
         steps, start, i = [], time.perf_counter(), 0
         while time.perf_counter() - start < seconds:
@@ -41,8 +37,6 @@ def record(path: Path, seconds: float, threads: int, task: str = "edit") -> list
             at = time.perf_counter() - start
             steps.append((at, rows, timed_step(eng.backend, prompt, rows) * 1000))
         return steps
-    finally:
-        eng.close()
 
 
 def windows(steps, window: float) -> list[str]:

@@ -3,10 +3,12 @@
 native llama-server's own n-gram speculation and llama-cpp-python's
 `LlamaPromptLookupDecoding`, in the same run on the same prompt tokens.
 
-    python scripts/bench_lookup.py --quick            # smollm2 only, 1 repeat, 64 tokens
-    python scripts/bench_lookup.py                    # all three test models, 3 repeats, 160 tokens
-    python scripts/bench_lookup.py --identity-only    # only: same text with lookup on and off?
-    python scripts/bench_lookup.py --models gemma qwen --engines lr_lookup lr_plain ls_simple ls_plain
+    python -m scripts.bench.bench_lookup --quick            # smollm2 only, 1 repeat, 64 tokens
+    python -m scripts.bench.bench_lookup                    # all three test models, 3 repeats, 160 tokens
+    python -m scripts.bench.bench_lookup --identity-only    # only: same text with lookup on and off?
+    python -m scripts.bench.bench_lookup --models gemma qwen --engines lr_lookup lr_plain ls_simple ls_plain
+
+(from the repository's root, as every script under scripts/bench/).
 
 Engines (all greedy: temperature 0, top_k 1, the same threads, n_ctx, and flash attention
 as localrun's backend chose it for this machine and cache, see backends/attention.py):
@@ -25,7 +27,7 @@ as localrun's backend chose it for this machine and cache, see backends/attentio
                             with the prompt as token ids and cache_prompt off
   lcpp_lookup / lcpp_plain  llama-cpp-python's `Llama` with and without LlamaPromptLookupDecoding
 
-Tasks (scripts/lookup_tasks.py): grounded ones whose answer copies the prompt (two code
+Tasks (scripts/lookup/lookup_tasks.py): grounded ones whose answer copies the prompt (two code
 edits, typo fixes, quoting), where lookup pays, and open-ended chat, the control where it
 must not cost. Instruct models get their chat template, a base model a raw prompt.
 
@@ -46,18 +48,18 @@ localrun's first differ, the no-lookup top-2 logit gap there.
 
 from __future__ import annotations
 
-import argparse, json, math, os, signal, socket, statistics, subprocess, sys, tempfile, time, urllib.error
+import argparse, json, os, signal, statistics, subprocess, sys, tempfile, time, urllib.error
 import urllib.request
 from importlib import metadata
 from pathlib import Path
 
-from lookup_tasks import TASKS, prompt_texts
+from scripts.lookup.common import (MODELS, WARM_TOKENS, first_diff, geo_mean, no_model_files, paired_ratio,
+                                   resolve_model)
+from scripts.lookup.lookup_tasks import TASKS, task_prompts
+from tests.serving import free_port
 
+REPO = Path(__file__).resolve().parents[2]
 MARK = "BENCH_LOOKUP "
-MODELS_DIR = Path(os.environ.get("LOCALRUN_TEST_MODELS", "~/.cache/localrun/test-models")).expanduser()
-MODELS = {"smollm2": "smollm2-135m-instruct-q4_1.gguf", "gemma": "gemma-3-270m-q4_k_m.gguf",
-          "qwen": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"}
-WARM_TOKENS = 16  # each engine's untimed first answer: weights paged in, buffers sized
 ENGINES = ["lr_lookup", "lr_exact", "lr_noedit", "lr_plain", "ls_simple", "ls_mod", "ls_plain", "lcpp_lookup", "lcpp_plain"]
 DEFAULT_ENGINES = [e for e in ENGINES if e not in ("lr_exact", "lr_noedit")]
 SERVER_SPEC = {"ls_plain": [], "ls_simple": ["--spec-type", "ngram-simple"], "ls_mod": ["--spec-type", "ngram-mod"]}
@@ -86,9 +88,7 @@ class LlamaServer:
         self.log, self.proc, self.url = log, None, ""
 
     def start(self) -> None:
-        with socket.socket() as s:  # a free port; the tiny race with another process is acceptable here
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()  # the tiny race with another process for it is acceptable here
         self.url = f"http://127.0.0.1:{port}"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
@@ -214,21 +214,12 @@ def make_engines(job, eng, stops, servers, log_dir):
     return {e: makers[e]() for e in job["engines"]}
 
 
-def first_diff(a, b):
-    """Index of the first differing token, or None when the two are identical."""
-    if a == b:
-        return None
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def work(job):
     from localrun.engine import Engine
 
     eng = Engine.open(job["model"], n_ctx=job["n_ctx"], threads=job["threads"])
     chat = eng.info.chat_template is not None  # a base model has none: raw prompts
-    texts = prompt_texts(chat)
-    prompts = {n: eng.chat_prompt([{"role": "user", "content": t}]) if chat else eng.tokenize(t)
-               for n, t in texts.items()}
+    prompts = task_prompts(eng)
     stops = set(eng.info.stop_ids)
     servers: list[LlamaServer] = []
     log_dir = Path(tempfile.mkdtemp(prefix="bench_lookup_"))
@@ -335,8 +326,9 @@ def identity_runs(job, eng, engines, prompts, runs, stops):
 
 def spawn(job):
     """Run the worker in a fresh interpreter; its result is the one MARK line on stdout."""
-    p = subprocess.run([sys.executable, __file__, "--worker"], input=json.dumps(job),
-                       stdout=subprocess.PIPE, text=True, timeout=4 * 3600)  # stderr: progress, passed through
+    p = subprocess.run([sys.executable, "-m", "scripts.bench.bench_lookup", "--worker"], cwd=REPO,
+                       input=json.dumps(job), stdout=subprocess.PIPE, text=True,
+                       timeout=4 * 3600)  # stderr: progress, passed through
     for line in p.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
@@ -345,37 +337,8 @@ def spawn(job):
 
 # -- driver ------------------------------------------------------------------------------
 
-def _geo(xs):  # geometric mean: the right average of speed ratios
-    xs = [x for x in xs if x]
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
-
-
 def _f(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
-
-
-# Student's t at 97.5% by degrees of freedom (the nearest listed at or below is taken)
-_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
-         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04, 60: 2.00, 120: 1.98}
-
-
-def t975(df: int) -> float:
-    """Student's t for a two-sided 95% interval with `df` degrees of freedom (df >= 1)."""
-    return _T975[max(k for k in _T975 if k <= df)]
-
-
-def paired_ratio(num: list, den: list) -> tuple[float, float, float] | None:
-    """The geometric mean of repeat-by-repeat speed ratios and its 95% interval (t on the
-    logs), or None under 2 pairs. A repeat runs every engine one after the other, so its
-    two runs saw the same load: the ratio of medians mixes runs minutes apart, and on this
-    project's shared CPU one task's speed wanders by +-8% from repeat to repeat (a chat's
-    LU/off ranged 0.76-1.21 over 11 repeats whose paired mean was 0.97)."""
-    logs = [math.log(a / b) for a, b in zip(num, den) if a and b]
-    if len(logs) < 2:
-        return None
-    mean = statistics.fmean(logs)
-    half = t975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 # ratio column -> (numerator engine, denominator engine)
@@ -453,7 +416,7 @@ def print_tables(rows, args, engines):
         for g in ("grounded", "chat"):
             sel = [r for r in rows if r["model"] == m and r["group"] == g]
             if sel:
-                s = summary[f"{m}/{g}"] = {k: _geo([r["ratios"][k] for r in sel]) for k in cols}
+                s = summary[f"{m}/{g}"] = {k: geo_mean([r["ratios"][k] for r in sel]) for k in cols}
                 print(f"{m:<9}{'geo ' + g:<14}" + "".join(f"{_f(s[k]):>12}" for k in cols))
     paired = [k for k in cols if any(r["paired"].get(k) for r in rows)]
     if paired:
@@ -479,23 +442,6 @@ def print_identity(ident, workers, max_tokens):
             print(f"    localrun {n}@{d['index']}: no-lookup top-2 logit gap {d['top2_gap']:.4f}; lookup took "
                   f"the runner-up: {d['lookup_token_is_top2']}; replay reproduced the no-lookup token: "
                   f"{d['replay_matches']}")
-
-
-def resolve_model(m):
-    if m in MODELS:
-        return m, MODELS_DIR / MODELS[m]
-    path = Path(m) if Path(m).exists() else MODELS_DIR / m
-    return next((k for k, f in MODELS.items() if f == path.name), path.stem[:8]), path
-
-
-def existing_model(m):
-    """resolve_model for a script's --model: where the file is not there, one error line
-    and exit status 2."""
-    label, path = resolve_model(m)
-    if not path.exists():
-        print(f"error: no model file {path}: run scripts/fetch_test_models.py", file=sys.stderr)
-        raise SystemExit(2)
-    return label, path
 
 
 def main(argv=None):
@@ -532,9 +478,7 @@ def main(argv=None):
                   f"pass --llama-server PATH, or leave the ls_* engines out with --engines", file=sys.stderr)
             return 2
     resolved = [resolve_model(m) for m in models]
-    missing = [str(p) for _, p in resolved if not p.exists()]
-    if missing:
-        print(f"error: no model file {', '.join(missing)}: run scripts/fetch_test_models.py", file=sys.stderr)
+    if no_model_files(p for _, p in resolved):
         return 2
     tasks = [n for n, t in TASKS.items() if args.tasks in ("all", t[0])]
     load0, t0 = os.getloadavg(), time.time()
@@ -544,8 +488,8 @@ def main(argv=None):
         print(f"# {label} ({path.name}): {what}, up to {args.max_tokens} tokens, engines {' '.join(engines)}",
               file=sys.stderr, flush=True)
         w = workers[label] = spawn({
-            "model": str(path), "n_ctx": 4096, "threads": args.threads, "tasks": tasks, "engines": engines,
-            "max_tokens": args.max_tokens, "repeat": args.repeat, "server": str(server) if server else None,
+            "model": str(path.resolve()), "n_ctx": 4096, "threads": args.threads, "tasks": tasks, "engines": engines,
+            "max_tokens": args.max_tokens, "repeat": args.repeat, "server": str(server.resolve()) if server else None,
             "identity_only": args.identity_only})
         rows += task_rows(label, w, tasks if not args.identity_only else [])
         ident[label] = identity_summary(w)
