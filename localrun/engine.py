@@ -31,7 +31,7 @@ from .lookup import drift_cache
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar.core import GrammarMatcher, build_tokenizer
-from .grammar.json_budget import CLOSING_RESERVE, budget_tokens, narrow
+from .grammar.json_budget import CLOSING_RESERVE, BudgetTokens, budget_tokens, inside_string, narrow
 from .request import GenerationRequest, prepare, request_or_options
 from .store.local import resolve_model
 from .sampling import Sampler, TokenText
@@ -69,7 +69,7 @@ class Engine:
         self._free = list(range(backend.n_seq))
         # DRY's breakers, resolved once per model; and lookup's edits that mirror a bracket
         self.token_text = TokenText.from_backend(backend)
-        self._budget_tokens: tuple[np.ndarray, ...] | None = None
+        self._budget_tokens: BudgetTokens | None = None
         self.chat_template = chat_template or self.info.chat_template or chat_template_module.fallback_template(
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
@@ -462,7 +462,7 @@ class Engine:
             event.token_probs = [known[token] if token in known else g.sampler.token_prob(row, token)]
         return event
 
-    def budget_tokens(self) -> tuple[np.ndarray, ...]:
+    def budget_tokens(self) -> BudgetTokens:
         """json_budget.budget_tokens for this model's vocabulary, built on first use
         (`prepare` warms it off the scheduler thread for a JSON-schema request)."""
         if self._budget_tokens is None:
@@ -480,7 +480,9 @@ class Engine:
         probabilities over every allowed token are asked for (n_probs)."""
         m, s = g.matcher, g.sampler
         if g.closes_json and g.tokens_left <= CLOSING_RESERVE:  # see json_budget
-            narrowed = narrow(row, m.allowed_mask(), self.budget_tokens())
+            pieces = self.token_text.pieces()
+            inside = inside_string(b"".join(pieces[t] for t in g.output))
+            narrowed = narrow(row, m.allowed_mask(), self.budget_tokens().preferred(inside))
             if narrowed is not None:
                 row, left_out = narrowed
                 g.cut_by_budget |= left_out

@@ -33,7 +33,7 @@ import localrun.grammar.core as grammar_module
 from localrun.engine import Engine
 from localrun.errors import BadRequestError
 from localrun.grammar.core import LLG_OPTIONS, Grammar, GrammarMatcher, build_tokenizer, lark_spec
-from localrun.grammar.json_budget import budget_tokens, narrow
+from localrun.grammar.json_budget import budget_tokens, inside_string, narrow
 from localrun.request import GenerationRequest, prepare
 from localrun.sampling import SamplingParams
 from localrun.tools import HERMES, ToolChoice, call_grammar, parse_tools
@@ -433,17 +433,21 @@ def test_an_answer_the_budget_would_cut_is_closed_as_valid_json(smollm2_engine_8
 
 def test_the_budget_prefers_closing_then_punctuation_then_unpadded_tokens():
     pieces = [b'"', b'"]', b'"}\n', b"\n}", b" ", b",", b'",', b"]", b"}}", b"a", b"", b'["', b" a", b"7", b'":']
-    closing, punctuation, compact = budget_tokens(pieces, end_ids=[10])
-    assert [p for p, c in zip(pieces, closing) if c] == [b'"', b'"]', b'"}\n', b"\n}", b"]", b"}}", b""]
-    assert [p for p, c in zip(pieces, punctuation) if c] == [
-        b'"', b'"]', b'"}\n', b"\n}", b",", b'",', b"]", b"}}", b'["', b'":']
-    assert [p for p, c in zip(pieces, compact) if c] == [b'"', b'"]', b",", b'",', b"]", b"}}", b"a", b'["', b"7", b'":']
+    masks = budget_tokens(pieces, end_ids=[10])
+
+    def named(mask):
+        return [p for p, m in zip(pieces, mask) if m]
+
+    assert named(masks.ends_string) == [b'"', b'"]', b'"}\n']
+    assert named(masks.closing) == [b"\n}", b"]", b"}}", b""]
+    assert named(masks.punctuation) == [b'"', b'"]', b'"}\n', b"\n}", b",", b'",', b"]", b"}}", b'["', b'":']
+    assert named(masks.compact) == [b'"', b'"]', b",", b'",', b"]", b"}}", b"a", b'["', b"7", b'":']
     row = np.arange(len(pieces), dtype=np.float32)
 
-    def kept(allowed_ids):
+    def kept(allowed_ids, inside=False):
         allowed = np.zeros(len(pieces), np.bool_)
         allowed[allowed_ids] = True
-        narrowed = narrow(row, allowed, (closing, punctuation, compact))
+        narrowed = narrow(row, allowed, masks.preferred(inside))
         return None if narrowed is None else (np.flatnonzero(np.isfinite(narrowed[0])).tolist(), narrowed[1])
 
     assert kept([5, 7, 9]) == ([7], True)  # after an array item: "]" rather than "," or more of it
@@ -451,3 +455,13 @@ def test_the_budget_prefers_closing_then_punctuation_then_unpadded_tokens():
     assert kept([9, 12]) == ([9], True)  # a key's name: no padding
     assert kept([7]) == ([7], False)  # nothing else was allowed: the choice was not narrowed
     assert kept([4]) is None  # only padding: the grammar's row as it is
+    # inside a string "]" and "}" are text: only a quote ends it
+    assert kept([0, 1, 7, 8, 9], inside=True) == ([0, 1], True)
+    assert kept([7, 8, 9, 12], inside=True) == ([7, 8, 9], True)  # under its minLength: unpadded text
+
+
+def test_inside_string_reads_quotes_and_escapes():
+    assert not inside_string(b'{"a": "b"')
+    assert inside_string(b'{"a": "b')
+    assert inside_string(b'{"a": "say \\"hi')  # an escaped quote stays in the string
+    assert not inside_string(b'{"a": "back\\\\"')  # an escaped backslash, then the closing quote

@@ -5,22 +5,25 @@ into blank lines, but a small model sampled hot can still loop inside an array o
 (SmolLM2-135M at temperature 1.0: 12-13 of 100 schema answers never closed, in 120
 tokens or in 400) until `max_tokens` cuts it: invalid JSON, useless to the client that parses it.
 
-So in the last CLOSING_RESERVE tokens of a JSON-schema answer, each choice is narrowed to
-the tokens the grammar allows that only close what is open (`"`, `]`, `}`, with whitespace
-around them) or end the answer, whenever the grammar allows one of those; where it allows
-none (a required key still missing, a string under its minLength), to the allowed tokens
-of JSON punctuation alone (`,"`, `":`, `":[`: the way on to the next key, and the end of a
-number); failing those, to the allowed tokens that hold no whitespace (a key's name, a
-digit); and failing those, the grammar's choice as usual. No `,` is ever a closing token,
-so no array or object grows while a closing token is allowed, and a string opened in the
-reserve closes at the next token. The answer is then valid JSON, shorter than the model
+So in the last CLOSING_RESERVE tokens of a JSON-schema answer, each choice is narrowed
+whenever the grammar allows a token of the first kind below that it allows at all. Inside
+a string (the answer so far holds an odd number of unescaped quotes): a token that ends
+it (`"`, then only `]`, `}` or whitespace), else one without whitespace (a string under
+its minLength). Outside: a token that only closes (`]`, `}`, whitespace) or ends the
+answer; else one of JSON punctuation alone (`,"`, `":`, `":[`: the way on to a required
+key still missing, and the end of a number); else one without whitespace (a key's name, a
+digit). Failing all, the grammar's choice as usual. No `,` ever closes, so no array or
+object grows while a closing token is allowed, and a string opened in the reserve ends at
+the next token. The answer is then valid JSON, shorter than the model
 would have written, and its finish reason stays "length" (a client can tell it was cut). Tool-call arguments are left alone: a call's JSON has its own
 grammar around it, and a call cut short is refused by the client either way.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,28 +32,48 @@ import numpy as np
 # an answer nested deeper than that can still be cut
 CLOSING_RESERVE = 16
 
-_CLOSING = frozenset(b'"]}')
+_CLOSERS = frozenset(b"]}")
+_ESCAPED = re.compile(rb"\\.", re.S)
 _PUNCTUATION = frozenset(b'"]},:[{')
 _SPACE = frozenset(b" \t\n\r")
 
 
-def budget_tokens(pieces: Sequence[bytes], end_ids: Iterable[int]) -> tuple[np.ndarray, ...]:
-    """Three bool masks [n_vocab], in the order a choice prefers them: the tokens that only
-    close (at least one of `"`, `]`, `}`, and nothing but whitespace beside them) or end
-    an answer (`end_ids`); the tokens of JSON punctuation alone (and whitespace); and the
-    tokens that hold no whitespace at all."""
-    closing = np.zeros(len(pieces), np.bool_)
-    punctuation = np.zeros(len(pieces), np.bool_)
-    compact = np.zeros(len(pieces), np.bool_)
+@dataclass(frozen=True)
+class BudgetTokens:
+    """Bool masks [n_vocab] of one vocabulary's tokens, by what they do in a JSON answer."""
+
+    ends_string: np.ndarray  # `"` first, then only `]`, `}` or whitespace
+    closing: np.ndarray  # only `]`, `}` and whitespace, at least one of the two; and the end ids
+    punctuation: np.ndarray  # JSON punctuation and whitespace only
+    compact: np.ndarray  # no whitespace at all
+
+    def preferred(self, inside_string: bool) -> tuple[np.ndarray, ...]:
+        """The masks a choice tries in order, inside a string or outside."""
+        if inside_string:
+            return self.ends_string, self.compact
+        return self.closing, self.punctuation, self.compact
+
+
+def budget_tokens(pieces: Sequence[bytes], end_ids: Iterable[int]) -> BudgetTokens:
+    """The vocabulary `pieces` sorted for json_budget (`end_ids`: the ids that end an answer)."""
+    n = len(pieces)
+    ends_string, closing, punctuation, compact = (np.zeros(n, np.bool_) for _ in range(4))
     for i, piece in enumerate(pieces):
         chars = set(piece)
-        closing[i] = bool(chars & _CLOSING) and chars <= _CLOSING | _SPACE
+        ends_string[i] = piece[:1] == b'"' and set(piece[1:]) <= _CLOSERS | _SPACE
+        closing[i] = bool(chars & _CLOSERS) and chars <= _CLOSERS | _SPACE
         punctuation[i] = bool(chars - _SPACE) and chars <= _PUNCTUATION | _SPACE
         compact[i] = bool(chars) and not chars & _SPACE
     for i in end_ids:
-        if 0 <= i < len(pieces):
+        if 0 <= i < n:
             closing[i] = True
-    return closing, punctuation, compact
+    return BudgetTokens(ends_string, closing, punctuation, compact)
+
+
+def inside_string(text: bytes) -> bool:
+    """Whether JSON text so far stops inside a string: an odd number of quotes once every
+    escaped character (`\\"` among them) is taken out."""
+    return _ESCAPED.sub(b"", text).count(b'"') % 2 == 1
 
 
 def narrow(row: np.ndarray, allowed: np.ndarray, preferred: Sequence[np.ndarray]) -> tuple[np.ndarray, bool] | None:
