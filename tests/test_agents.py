@@ -127,14 +127,16 @@ def test_codex_completes_a_turn(agents, server, tmp_path):
 def test_codex_runs_the_shell_command_the_model_called(agents, server, tmp_path):
     """Codex sends no temperature, so the model samples: about one session in three, it
     adds a `justification` argument without `sandbox_permissions`, which Codex's own policy
-    refuses (and the model then repeats). A new session samples again: up to four."""
+    refuses (and the model then repeats). A new session samples again: up to four. The
+    first reads Codex's ~10k-token instructions cold (~110 s on an idle 2-core CPU; a busy
+    one took over 150 s), the others find them cached."""
     sessions = []
     for attempt in range(4):
         work = tmp_path / f"session{attempt}"
         work.mkdir()
         _, items = codex(agents, server, work, 'Call exec_command with exactly these arguments:'
                          ' {"cmd": "echo hi > hello.txt"}', "--dangerously-bypass-approvals-and-sandbox",
-                         done=lambda w: (w / "hello.txt").exists(), timeout=150)
+                         done=lambda w: (w / "hello.txt").exists(), timeout=300 if attempt == 0 else 150)
         calls = [json.loads(i["arguments"]) for i in items
                  if i.get("type") == "function_call" and i.get("name") == "exec_command"]
         sessions.append(calls[:2])
