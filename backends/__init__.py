@@ -13,10 +13,11 @@ from pathlib import Path
 from localrun.errors import ModelNotFoundError, UnsupportedFormatError
 from localrun.model.formats import KV_CACHE_TYPES, check_kv_cache_type
 
-from .base import Backend, BatchEntry, ModelInfo
+from .base import Backend, BackendOptions, BatchEntry, ModelInfo
 
 __all__ = [
-    "KV_CACHE_TYPES", "Backend", "BatchEntry", "ModelInfo", "check_kv_cache_type", "detect_format", "open_backend"
+    "KV_CACHE_TYPES", "Backend", "BackendOptions", "BatchEntry", "ModelInfo", "check_kv_cache_type", "detect_format",
+    "open_backend",
 ]
 
 
@@ -47,22 +48,17 @@ def detect_format(path: str | Path) -> str:
     raise UnsupportedFormatError(f"{p} is not an MLX model folder (missing {missing}; found: {found})")
 
 
-def open_backend(path: str | Path, **kwargs) -> Backend:
+def open_backend(path: str | Path, options: BackendOptions | None = None, isolated: bool = False,
+                 **fields) -> Backend:
     """Load a model file or folder (Engine.open resolves a store name such as
-    org/repo:Q4_K_M to one) on the backend its format needs. kwargs, taken by both backends: n_ctx, n_seq, n_batch, kv_cache_type
-    ("f16", "q8_0" or "q4_0": the element type of the KV cache; quantized caches hold
-    about 1/2 or 1/4 of f16's bytes per token); llama.cpp's threads, n_gpu_layers and
-    workers (MLX refuses any but their default); MLX's trust_remote_code (llama.cpp has
-    none: a GGUF holds no code). An unknown keyword is a TypeError on either.
-    isolated=True hosts a GGUF that is split over RPC workers in a child process
-    (remote.py), so a worker's death fails the calls in flight instead of this process;
-    without workers it changes nothing."""
+    org/repo:Q4_K_M to one) on the backend its format needs, with `options` (or its
+    fields as keywords; see BackendOptions: a bad value fails before a model is read, an
+    unknown keyword is a TypeError). isolated=True hosts a GGUF that is split over a
+    `cluster` of RPC workers in a child process (remote.py), so a worker's death fails
+    the calls in flight instead of this process; without a cluster it changes nothing."""
     from localrun.model.paths import model_path_kind
 
-    trust_remote_code = kwargs.pop("trust_remote_code", False)  # a GGUF holds no code to trust
-    isolated = kwargs.pop("isolated", False)
-    if "kv_cache_type" in kwargs:  # a bad value fails before a model is read
-        kwargs["kv_cache_type"] = check_kv_cache_type(kwargs["kv_cache_type"])
+    o = BackendOptions.of(options, **fields)
     p = Path(path).expanduser()
     if p.exists():
         model_path_kind(p)  # a FIFO, device or socket is refused before anything opens it
@@ -71,15 +67,13 @@ def open_backend(path: str | Path, **kwargs) -> Backend:
         from localrun.model.gguf_check import check_gguf
 
         check_gguf(p)  # a malformed file never reaches llama.cpp's parser
-        from localrun.cluster import rpc
-
-        if isolated and (kwargs.get("workers") is not None or rpc.active() is not None):
+        if isolated and o.cluster is not None:
             from .remote import RemoteBackend
 
-            return RemoteBackend(p, **kwargs)
+            return RemoteBackend(p, o)
         from .llamacpp import LlamaCppBackend
 
-        return LlamaCppBackend(p, **kwargs)
+        return LlamaCppBackend(p, o)
     from .mlx import MLXBackend
 
-    return MLXBackend(p, trust_remote_code=trust_remote_code, **kwargs)
+    return MLXBackend(p, o)

@@ -18,10 +18,54 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from localrun.model.formats import check_kv_cache_type
+
 
 # The tokens one decode may carry unless the caller says otherwise (Engine.open, run,
 # chat, fit); `serve --batch` defaults to less. llama.cpp sizes its compute buffers by it.
 DEFAULT_N_BATCH = 512
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How to load a model, one value for every backend (open_backend, Engine.open and the
+    constructors take these fields as keywords, or the object itself as `options`).
+
+    n_ctx: tokens per sequence (None: the model's training context, at most 4096);
+    n_seq: sequences decoded together; n_batch: tokens one decode may carry;
+    kv_cache_type: "f16", "q8_0" or "q4_0" (None: f16), the KV cache's element type.
+    llama.cpp's own: threads (None: fitted to the cores others leave free), n_gpu_layers
+    (-1: every layer on the GPU where one exists), cluster (a localrun.cluster.rpc.Cluster:
+    RPC workers to split the model over), repack (the CPU's gemm weight layouts).
+    MLX's own: trust_remote_code (import the Python code a model folder names).
+    A backend refuses, in one line, a value that means nothing to it."""
+
+    n_ctx: int | None = None
+    n_seq: int = 1
+    n_batch: int = DEFAULT_N_BATCH
+    kv_cache_type: str | None = "f16"
+    threads: int | None = None
+    n_gpu_layers: int = -1
+    cluster: object | None = None  # localrun.cluster.rpc.Cluster (not imported: the foundations stay light)
+    repack: bool = True
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_type", check_kv_cache_type(self.kv_cache_type))
+
+    @classmethod
+    def of(cls, options: "BackendOptions | None" = None, **fields) -> "BackendOptions":
+        """`options`, or one made of `fields` (a constructor's keywords); not both."""
+        if options is None:
+            return cls(**fields)
+        if fields:
+            raise TypeError(f"pass BackendOptions or keyword options, not both (got {', '.join(sorted(fields))})")
+        return options
+
+    def changed(self) -> dict:
+        """The fields that differ from their defaults."""
+        default = BackendOptions()
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if getattr(self, f) != getattr(default, f)}
 
 
 @dataclass(frozen=True)

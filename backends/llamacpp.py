@@ -42,9 +42,8 @@ from localrun.errors import BackendUnavailableError, CacheNotTrimmableError, Dec
 from localrun.model.formats import file_type_name
 from localrun.hardware import OthersLoad, fitted_threads
 
-from . import check_kv_cache_type
 from .attention import attention_scores_bytes, flash_attention_choice
-from .base import DEFAULT_N_BATCH, BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
+from .base import BackendOptions, BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
 
 try:
     import llama_cpp as _lc
@@ -104,23 +103,16 @@ REFIT_THREADS_S = 1.0  # how often decoding re-reads the load (~0.1 ms a reading
 class LlamaCppBackend:
     name = "llama.cpp"
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        n_ctx: int | None = None,
-        n_seq: int = 1,
-        n_batch: int = DEFAULT_N_BATCH,
-        threads: int | None = None,
-        n_gpu_layers: int = -1,
-        kv_cache_type: str = "f16",
-        workers: "rpc.Cluster | None" = None,
-        repack: bool = True,
-    ) -> None:
-        """workers: llama.cpp RPC workers to split the model over (None: the ones `--rpc`
-        registered for this process, if any; see localrun/cluster/rpc.py). repack=False keeps the
-        weights in their stored layout instead of the CPU's gemm layouts (slower; rows of a
-        many-row step then drift less, see scripts/lookup/batch_drift.py)."""
-        self.kv_cache_type = check_kv_cache_type(kv_cache_type)
+    def __init__(self, path: str | os.PathLike, options: BackendOptions | None = None, **fields) -> None:
+        """`options` (or its fields as keywords): see BackendOptions. With a `cluster`, the
+        model is split over its RPC workers (localrun/cluster/rpc.py). repack=False keeps
+        the weights in their stored layout instead of the CPU's gemm layouts (slower; rows
+        of a many-row step then drift less, see scripts/lookup/batch_drift.py). A GGUF holds
+        no code, so trust_remote_code changes nothing here."""
+        o = BackendOptions.of(options, **fields)
+        self.options = o
+        n_ctx, n_seq, n_batch, threads, n_gpu_layers = o.n_ctx, o.n_seq, o.n_batch, o.threads, o.n_gpu_layers
+        self.kv_cache_type = o.kv_cache_type
         init_llama()
         self._model = None
         self._ctx = None
@@ -132,8 +124,8 @@ class LlamaCppBackend:
         path = str(path)
         mparams = _lc.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers  # -1: all layers on the GPU where one exists
-        mparams.use_extra_bufts = repack
-        self.placement = self._place_on_devices(mparams, path, workers)
+        mparams.use_extra_bufts = o.repack
+        self.placement = self._place_on_devices(mparams, path, o.cluster)
         model = _lc.llama_model_load_from_file(path.encode(), mparams)
         if not model:
             raise ModelLoadError(f"llama.cpp could not load {path}; set LOCALRUN_LLAMA_LOG=1 to see why")
@@ -188,13 +180,12 @@ class LlamaCppBackend:
 
     # -- devices (llama.cpp RPC workers) ------------------------------------------
 
-    def _place_on_devices(self, mparams, path: str, workers) -> "rpc.Placement | None":
-        """With workers: an explicit NULL-terminated device list (local GPUs, then each
+    def _place_on_devices(self, mparams, path: str, cluster) -> "rpc.Placement | None":
+        """With a cluster: an explicit NULL-terminated device list (local GPUs, then each
         worker's devices), their proportions, and n_gpu_layers keeping this machine's share
         of the first layers on its CPU. Without: llama.cpp's default devices, unless workers
         were registered in this process (registration is process-wide), in which case the
         list names this machine's GPUs only."""
-        cluster = workers if workers is not None else rpc.active()
         if cluster is None:
             if rpc.any_registered():
                 self._devices = rpc.device_array(rpc.local_gpus())

@@ -20,7 +20,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -31,12 +31,7 @@ from localrun.errors import (
     ModelLoadError,
     UnsupportedFormatError,
 )
-from localrun.model.formats import check_kv_cache_type
-
-from .base import DEFAULT_N_BATCH, BatchEntry, KvLedger, ModelInfo, check_batch
-
-if TYPE_CHECKING:
-    from localrun.cluster.rpc import Cluster
+from .base import BackendOptions, BatchEntry, KvLedger, ModelInfo, check_batch
 
 _KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
 # llama.cpp's load parameters: MLXBackend names them so that one set of options opens a
@@ -45,7 +40,7 @@ _KV_BITS = {"f16": None, "q8_0": 8, "q4_0": 4}
 _LLAMA_CPP_ONLY = {
     "threads": (None, "--threads", "MLX sizes its own thread pool"),
     "n_gpu_layers": (-1, "n_gpu_layers", "MLX runs every layer on its default device"),
-    "workers": (None, "--rpc", "MLX spreads a model over machines with mlx-ring instead"),
+    "cluster": (None, "--rpc", "MLX spreads a model over machines with mlx-ring instead"),
     "repack": (True, "repack", "MLX keeps its weights in one layout"),
 }
 CONFIG_READ_LIMIT = 4 << 20  # a config.json is a few KB; a bigger one is not read whole
@@ -157,36 +152,27 @@ def _piece_table(hf, n_vocab: int, special: set[int]) -> list[bytes]:
     return table
 
 
-def _refuse_llama_cpp_only(path, **given) -> None:
-    for name, value in given.items():
-        default, flag, why = _LLAMA_CPP_ONLY[name]
+def _refuse_llama_cpp_only(path, options: BackendOptions) -> None:
+    for name, (default, flag, why) in _LLAMA_CPP_ONLY.items():
+        value = getattr(options, name)
         if value != default:
-            shown = flag if name == "workers" else f"{flag} {value}"
+            shown = flag if name == "cluster" else f"{flag} {value}"
             raise BadRequestError(f"{shown} applies to llama.cpp models only ({why}); leave it unset for {path}")
 
 
 class MLXBackend:
     name = "mlx"
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        n_ctx: int | None = None,
-        n_seq: int = 1,
-        n_batch: int = DEFAULT_N_BATCH,
-        threads: int | None = None,
-        n_gpu_layers: int = -1,
-        kv_cache_type: str = "f16",
-        workers: "Cluster | None" = None,
-        repack: bool = True,
-        trust_remote_code: bool = False,
-    ) -> None:
-        """The parameters are llama.cpp's (LlamaCppBackend), plus trust_remote_code: let a
-        model whose config names its own Python code (`model_file`, `auto_map`) import
-        it; refused otherwise, before anything loads. threads, n_gpu_layers, workers and
+    def __init__(self, path: str | os.PathLike, options: BackendOptions | None = None, **fields) -> None:
+        """`options` (or its fields as keywords): see BackendOptions. trust_remote_code lets
+        a model whose config names its own Python code (`model_file`, `auto_map`) import
+        it; refused otherwise, before anything loads. threads, n_gpu_layers, cluster and
         repack mean nothing to MLX: any value but their default is a one-line error."""
-        _refuse_llama_cpp_only(path, threads=threads, n_gpu_layers=n_gpu_layers, workers=workers, repack=repack)
-        self.kv_cache_type = check_kv_cache_type(kv_cache_type)
+        o = BackendOptions.of(options, **fields)
+        _refuse_llama_cpp_only(path, o)
+        self.options = o
+        n_ctx, n_seq, n_batch, trust_remote_code = o.n_ctx, o.n_seq, o.n_batch, o.trust_remote_code
+        self.kv_cache_type = o.kv_cache_type
         path = Path(path)
         check_remote_code(path, trust_remote_code, "pass --trust-remote-code")
         mx, make_prompt_cache, load = _import_mlx()

@@ -34,7 +34,7 @@ import numpy as np
 from localrun.cluster import rpc
 from localrun.errors import BadRequestError, DecodeError, LocalrunError, ModelLoadError
 
-from .base import BatchEntry, KvLedger, ModelInfo, check_batch
+from .base import BackendOptions, BatchEntry, KvLedger, ModelInfo, check_batch
 
 _log = logging.getLogger("localrun")
 
@@ -47,7 +47,7 @@ LOAD_TIMEOUT_S = 1800.0
 CLOSE_WAIT_S = 10.0  # for the child to free the model and exit on close(), then it is killed
 REACH_TIMEOUT_S = 1.0  # per worker, when finding which one is gone
 # Logits rows travel through memory both processes map: one row per sequence plus a
-# lookup draft's (speculative.py drafts at most 32), within SHARED_ROWS_BYTES; a decode
+# lookup draft's (speculation/lookup.py drafts at most 32), within SHARED_ROWS_BYTES; a decode
 # that asks for more rows sends them through the pipe instead.
 SHARED_ROWS_PER_SEQ = 33
 SHARED_ROWS_BYTES = 32 << 20
@@ -160,17 +160,20 @@ class RemoteBackend:
     can_interrupt = True
     batches_neighbours_only = True
 
-    def __init__(self, path: str | os.PathLike, workers: "rpc.Cluster | None" = None,
-                 call_timeout: float | None = None, load_timeout: float = LOAD_TIMEOUT_S, **options) -> None:
-        """workers: the cluster to split over (None: the one `--rpc` registered in this
-        process); call_timeout: seconds a call may take before the child is given up
-        (default: call_timeout_default(); inf: no bound); options: LlamaCppBackend's (n_ctx, n_seq,
-        n_batch, threads, n_gpu_layers, kv_cache_type)."""
+    def __init__(self, path: str | os.PathLike, options: BackendOptions | None = None,
+                 call_timeout: float | None = None, load_timeout: float = LOAD_TIMEOUT_S, **fields) -> None:
+        """`options` (or its fields as keywords): LlamaCppBackend's, whose `cluster` (the
+        RPC workers to split over) is required here; the child connects to the same
+        workers and loads with the rest. call_timeout: seconds a call may take before the
+        child is given up (default: call_timeout_default(); inf: no bound)."""
         from . import subprocess_host
 
-        cluster = workers if workers is not None else rpc.active()
+        o = BackendOptions.of(options, **fields)
+        cluster = o.cluster
         if cluster is None:
-            raise ValueError("RemoteBackend needs RPC workers: pass workers= or register them with --rpc first")
+            raise ValueError("RemoteBackend needs RPC workers: pass cluster= (rpc.connect's Cluster)")
+        # what crosses to the child: plain values (a Cluster holds this process's ctypes handles)
+        options = {k: v for k, v in o.changed().items() if k not in ("cluster", "trust_remote_code")}
         if call_timeout is None:
             call_timeout = call_timeout_default()
         elif not call_timeout > 0:

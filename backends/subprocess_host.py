@@ -139,8 +139,8 @@ def host_main(path: str, options: dict, endpoints: list[tuple[str, int]], tensor
     from localrun.cluster import rpc
 
     try:
-        rpc.connect([rpc.Endpoint(h, p) for h, p in endpoints], tensor_split)  # probes first: one-line errors
-        backend = HostedLlamaCpp(path, flag, **options)
+        cluster = rpc.connect([rpc.Endpoint(h, p) for h, p in endpoints], tensor_split)  # probes first: one-line errors
+        backend = HostedLlamaCpp(path, flag, cluster=cluster, **options)
         ready = facts(backend)
         fits = shared_rows is not None and shared_shape[1] == backend.n_vocab
         shared = np.frombuffer(shared_rows, np.float32).reshape(shared_shape) if fits else None

@@ -19,6 +19,19 @@ def _add_constraints(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="any JSON object")
 
 
+def _add_thinking(p: argparse.ArgumentParser, run: bool = False) -> None:
+    g = p.add_argument_group("thinking models")
+    g.add_argument("--reasoning-budget", type=int, default=None, metavar="N",
+                   help="end the model's thinking after N tokens and let it answer (0: answer at once;"
+                   " default: no limit)")
+    g.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="turn the model's thinking on or off where its template can (enable_thinking;"
+                   " default: the template's own)")
+    if run:
+        g.add_argument("--hide-thinking", action="store_true",
+                       help="leave the thinking out (default: written to stderr, dimmed on a terminal)")
+
+
 def _read_text(path: str, what: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -73,19 +86,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .generation import print_timings
     from .request import GenerationRequest
     from .sampling.flags import sampling_from_args
+    from localrun.tui.thinking import ThinkingOut, reasoning_options
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
         raise LocalrunError("no prompt: pass one as an argument or on stdin")
     # every flag is checked (and a grammar compiled) before the model loads
+    thinking = reasoning_options(args)
     request = GenerationRequest(
         sampling=sampling_from_args(args), max_tokens=args.max_tokens, stop=args.stop,
-        lookup=args.lookup, grammar=grammar_from_args(args),
+        lookup=args.lookup, grammar=grammar_from_args(args), **thinking,
+        # a raw prompt skips the template: its answer is the raw text, thinking markup and all
+        reasoning_format="none" if args.raw else "auto",
     )
     from .commands.rpc import apply_rpc_flags
 
-    apply_rpc_flags(args)  # --rpc workers: probed and registered before the model loads
-    with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type,
+    cluster = apply_rpc_flags(args)  # --rpc workers: probed and registered before the model loads
+    with Engine.open(args.model, cluster=cluster, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type,
                      chat_template=args.chat_template, trust_remote_code=args.trust_remote_code) as engine:
         if args.raw:
             tokens = engine.tokenize(prompt)
@@ -93,12 +110,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            tokens = engine.chat_prompt(messages)
+            tokens = engine.chat_prompt(messages, template_kwargs=thinking["template_kwargs"])
         last = None
+        thoughts = ThinkingOut(sys.stderr, hidden=args.hide_thinking)
         for ev in engine.generate(tokens, request):
+            thoughts.write(ev.reasoning)
+            if ev.text or ev.tool_calls:
+                thoughts.end()
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             last = ev
+        thoughts.end()
         sys.stdout.write("\n")
         if args.verbose and last is not None and last.timings is not None:
             print_timings(last.timings)
@@ -114,7 +136,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         load_template_file(args.chat_template)
     from .commands.rpc import apply_rpc_flags
 
-    apply_rpc_flags(args)
+    args.cluster = apply_rpc_flags(args)  # every GGUF the chat opens splits over them
     return run_chat(args)
 
 
@@ -137,11 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     add_sampling_flags(run)
     _add_constraints(run)
+    _add_thinking(run, run=True)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal")
     _add_model(chat, optional=True)
     add_sampling_flags(chat)
+    _add_thinking(chat)
     g = chat.add_argument_group("constrained output (one of; also set in the chat's settings)")
     g = g.add_mutually_exclusive_group()
     g.add_argument("--grammar", metavar="FILE", help="a GBNF grammar file (llama.cpp syntax)")

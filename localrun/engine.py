@@ -2,14 +2,14 @@
 
 A `Generation` (localrun/generation.py) is one sequence: its slot in the backend, its
 token history, its sampler, its text stream. `Engine.step(gens)` advances several
-generations with ONE backend decode, in two moves: `_plan` says what each generation
-feeds (decoding ones first, so a long prefill never starves them: their pending token,
-plus a prompt-lookup draft when one is expected to pay; generations still reading
-their prompt, a chunk of it, within the backend's `n_batch`), then each generation's
-rows are read by a prefill, a plain step (one row, one token) or a speculative step
-(a row per draft token, kept while each is the token sampled). `generate()` is the
-single-sequence loop over `step`; a server schedules many generations over the same
-call.
+generations with ONE backend decode: plan (`_plan`: what each generation feeds,
+decoding ones first so a long prefill never starves them: their pending token, or a
+chunk of the prompt within the backend's `n_batch`), draft (the model's `Speculator`
+asks a decoding generation's proposer for tokens to verify when a draft is expected to
+pay), decode, verify (each generation's rows become tokens: a prefill, a plain step, or
+a speculative step whose drafts are kept while each is the token sampled) and observe
+(the step's time prices the next drafts). `generate()` is the single-sequence loop over
+`step`; a server schedules many generations over the same call.
 """
 
 from __future__ import annotations
@@ -23,20 +23,19 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from localrun.backends import open_backend
-from localrun.backends.base import DEFAULT_N_BATCH, Backend, BatchEntry, DecodeInterrupted, ModelInfo
+from localrun.backends.base import Backend, BackendOptions, BatchEntry, DecodeInterrupted, ModelInfo
 
 from .prompt import chat_template as chat_template_module
 from . import slots
-from .lookup import drift_cache
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar.core import GrammarMatcher, build_tokenizer
 from .grammar.json_budget import CLOSING_RESERVE, BudgetTokens, budget_tokens, inside_string, narrow
-from .request import GenerationRequest, prepare, request_or_options
+from .request import GenerationRequest, check_template_kwargs, prepare, request_or_options
 from .store.local import resolve_model
 from .sampling import Sampler, TokenText
-from .lookup.speculative import Acceptance, DraftController, margin_change
-from .lookup.step_cost import StepCost
+from .speculation.proposer import StepShare
+from .speculation.speculator import Speculator
 from .textstream import StopMatcher
 from .tools import ToolCallDelta, ToolFormat, collect_calls, history_messages, parse_tools
 from .tools.model import ModelTools
@@ -44,11 +43,6 @@ from .tools.model import ModelTools
 __all__ = ["Completion", "Engine", "Event", "Generation", "GenerationFailed", "Timings"]
 
 log = logging.getLogger("localrun.engine")
-
-
-def _exact_greedy(g: Generation) -> bool:
-    """Whether g's drafts are verified under the closeness rule (LookupConfig.exact_greedy)."""
-    return g.sampler.params.greedy and g.lookup is not None and g.lookup.cfg.exact_greedy
 
 
 @dataclass
@@ -74,10 +68,8 @@ class Engine:
             lambda text: len(backend.tokenize(text, add_special=False, parse_special=True)) == 1
         )
         self.tools = ModelTools(backend, self.chat_template)  # call format, markers, call grammars
-        self.step_cost = StepCost()  # what a wider speculative step costs on this model
-        self.acceptance = Acceptance()  # what this model's drafts have done lately, per match length
-        self._turn_marks: dict[int, bool] = {}  # token -> a control or end-of-generation token
-        self.drift = drift_cache.recall(backend)  # how far a wide step's rows stray from one-row steps'
+        # drafts, their verification, and what the model's steps cost (localrun.speculation)
+        self.speculator = Speculator(backend, self.token_text, self.info.stop_ids)
 
     @property
     def supports_tools(self) -> bool:
@@ -90,32 +82,18 @@ class Engine:
 
     @classmethod
     def open(
-        cls,
-        path: str | Path,
-        n_ctx: int | None = None,
-        n_seq: int = 1,
-        threads: int | None = None,
-        n_batch: int = DEFAULT_N_BATCH,
-        kv_cache_type: str | None = None,
-        chat_template: str | Path | None = None,
-        trust_remote_code: bool = False,
+        cls, path: str | Path, options: BackendOptions | None = None, chat_template: str | Path | None = None,
+        **fields,
     ) -> "Engine":
-        """kv_cache_type: "f16" (None means f16), "q8_0" or "q4_0", the KV cache's element type.
-        chat_template: a Jinja template FILE used instead of the model's own.
-        trust_remote_code: let an MLX folder whose config names its own Python code load."""
-        from localrun.backends import check_kv_cache_type
-
-        if n_ctx is not None and n_ctx < 16:
-            raise BadRequestError(f"--ctx must be at least 16 tokens, got {n_ctx}")
-        kv_cache_type = check_kv_cache_type(kv_cache_type)  # before any model is read
+        """The model at `path` (a file, a folder, or a store name) loaded with `options`
+        or its fields as keywords (BackendOptions: n_ctx, n_seq, n_batch, kv_cache_type,
+        threads, cluster for RPC workers, trust_remote_code, ...).
+        chat_template: a Jinja template FILE used instead of the model's own."""
+        o = BackendOptions.of(options, **fields)  # a bad value fails before any model is read
+        if o.n_ctx is not None and o.n_ctx < 16:
+            raise BadRequestError(f"--ctx must be at least 16 tokens, got {o.n_ctx}")
         template = chat_template_module.load_template_file(chat_template) if chat_template is not None else None
-        return cls(
-            open_backend(
-                resolve_model(str(path)), n_ctx=n_ctx, n_seq=n_seq, threads=threads, n_batch=n_batch, kv_cache_type=kv_cache_type,
-                trust_remote_code=trust_remote_code,
-            ),
-            chat_template=template,
-        )
+        return cls(open_backend(resolve_model(str(path)), o), chat_template=template)
 
     def close(self) -> None:
         self.backend.close()
@@ -134,14 +112,20 @@ class Engine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools=()) -> list[int]:
+    def chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=(), template_kwargs: dict | None = None
+    ) -> list[int]:
         """The conversation as the model's template writes it. `tools` (Tool objects or
         OpenAI's list) reach the template as Hugging Face's `tools` variable; history with
-        tool calls and results is normalised first (localrun.tools.history_messages)."""
+        tool calls and results is normalised first (localrun.tools.history_messages).
+        `template_kwargs`: more variables for the template (`enable_thinking`,
+        `reasoning_effort`), checked as GenerationRequest checks them."""
         info = self.info
         tools = parse_tools(tools, "tools") if tools else ()
         self.tools.check(tools)
-        extra = {"tools": [t.template_dict() for t in tools]} if tools else {}
+        extra = check_template_kwargs(template_kwargs)
+        if tools:
+            extra["tools"] = [t.template_dict() for t in tools]
         text = chat_template_module.render(
             self.chat_template, history_messages(messages), info.bos_text, info.eos_text, add_generation_prompt, **extra
         )
@@ -160,8 +144,8 @@ class Engine:
         instead (`sampling=..., max_tokens=...`). A request from `prepare` costs only
         cache hits here; an unprepared one is prepared now (a server prepares off its
         scheduler thread, which every stream of the model shares)."""
-        request = prepare(self, request_or_options(request, options))
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        request = prepare(self, request_or_options(request, options), tokens)
         self.check_prompt(tokens, request.max_tokens)
         if not self._free:
             raise RuntimeError("every sequence slot is busy")
@@ -187,33 +171,51 @@ class Engine:
             n_cached=n_keep,
             timings=Timings(prompt_tokens=len(tokens), cached_tokens=n_keep),
         )
-        if request.lookup.enabled:
-            gen.lookup = DraftController(request.lookup, self.step_cost, self.acceptance, answer_start=len(tokens),
-                                         spelling=self.token_text,
-                                         control=self.turn_marks(tokens))
-        if request.tools:  # prepare() built and compiled it: cache hits
-            grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+        self.speculator.attach(gen, request.lookup)
+        if request.tools:  # prepare() built and compiled it for this prompt: cache hits
+            grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls, prompt=tokens)
             gen.matcher = GrammarMatcher(grammar, build_tokenizer(self.backend))
-            gen.calls = self.tools.output(request.tool_choice)
         elif request.grammar is not None:
             gen.matcher = GrammarMatcher(request.grammar, build_tokenizer(self.backend))
             gen.closes_json = request.grammar.kind == "json_schema"
+        gen.has_tools = bool(request.tools)
+        # the answer's parts: reasoning, content and calls (None: all of it is content)
+        gen.reply = self.tools.output(request.tool_choice if request.tools else None,
+                                      reasoning=request.reasoning_format != "none", tools=request.tools, prompt=tokens)
+        if gen.reply is not None and request.grammar is not None and gen.reply.in_reasoning:
+            # a request's grammar (JSON schema, GBNF, regex) holds the answer: a thinking
+            # block the prompt opened (DeepSeek-R1's template) is closed at once, outside it
+            gen.forced = self.backend.tokenize(gen.reply.closing(), add_special=False, parse_special=True)
+            gen.forced_outside_grammar = True
+        elif gen.reply is not None and request.reasoning_budget is not None:
+            gen.reasoning_budget = request.reasoning_budget
+            self._end_reasoning_if_spent(gen)  # a budget of 0 in a block the prompt opened
         gen.started(time.perf_counter())
         return gen
 
     @property
+    def reasoning(self):
+        """The model's reasoning format (localrun.tools.reasoning.ReasoningFormat), or None
+        when its template shows no reasoning block."""
+        return self.tools.reasoning
+
+    def _end_reasoning_if_spent(self, g: Generation) -> None:
+        """When g's reasoning has used its budget, queue the model's own end-of-reasoning
+        marker (e.g. "</think>\n\n"): the next steps write it instead of sampling, and
+        the answer follows."""
+        r = g.reply
+        if g.forced or not r.in_reasoning or g.reasoning_tokens < g.reasoning_budget or not r.end_of_reasoning:
+            return
+        # what is left of the marker: the model may have begun writing it
+        marker = self.backend.tokenize(r.closing(), add_special=False, parse_special=True)
+        if g.matcher is not None and marker and not g.matcher.allows(marker[0]):
+            return  # the grammar holds the answer elsewhere: the budget cannot end it here
+        g.forced = marker
+        g.reasoning_budget = None  # spent: the marker's own tokens are not thinking
+
+    @property
     def free_slots(self) -> int:
         return len(self._free)
-
-    def turn_marks(self, tokens: Sequence[int]) -> frozenset[int]:
-        """The control and end-of-generation tokens among `tokens` (a chat template's turn
-        marks), which prompt lookup never drafts (see DraftController.draft)."""
-        marks, distinct = self._turn_marks, set(tokens)
-        # each token is asked once per engine: a 6,000-token prompt took ~1 ms the first
-        # time, 0.15 ms after (Qwen2.5; every distinct token asked each time: 1.3 ms)
-        for t in distinct.difference(marks):
-            marks[t] = t in self.info.stop_ids or self.backend.is_control(t)
-        return frozenset(t for t in distinct if marks[t])
 
     def check_prompt(self, tokens: Sequence[int], max_tokens: int | None = None) -> None:
         """Every check `start` makes on a prompt, for callers that must refuse a request
@@ -271,15 +273,17 @@ class Engine:
         a prefix with it."""
         if gen.seq not in self._free:
             self._free.append(gen.seq)
+        gen.release_proposer()
         if not gen.done:
             gen.ended("cancelled")
 
     def step(self, gens: Sequence[Generation], budget: int | None = None) -> dict[int, Event]:
         """One backend decode across every unfinished generation; events keyed by seq.
         `budget` caps the tokens of this step (default and ceiling: the backend's n_batch).
-        A generation reading its prompt feeds a chunk of it (a prefill); a decoding one
-        feeds its pending token (a plain step), plus a draft when prompt lookup expects
-        one to pay (a speculative step)."""
+        Plan (what each generation feeds: a chunk of its prompt, or its pending token) and
+        draft (a decoding generation's proposer may add tokens to verify), one decode,
+        then verify (each generation's rows become its tokens) and observe (the step's
+        cost prices the next drafts)."""
         live = [g for g in gens if not g.done]
         self._gather(live)
         live.sort(key=lambda g: not g.decoding)  # a decoder's one token must not wait behind a prefill
@@ -293,10 +297,9 @@ class Engine:
             return {}
         now = time.perf_counter()
         if len(feeds) == 1 and feeds[0].gen.decoding and feeds[0].entry.n_logits:
-            self.step_cost.observe(len(feeds[0].entry.tokens), (now - t0) * 1000,
-                                   drafting=feeds[0].gen.lookup is not None)
-        if len(feeds) > 1 and self.drift.calibrating and any(f.draft and _exact_greedy(f.gen) for f in feeds):
-            # a calibrating step decodes again, into the buffer the others' rows may live in
+            self.speculator.observe(len(feeds[0].entry.tokens), (now - t0) * 1000, feeds[0].gen.proposer is not None)
+        if len(feeds) > 1 and any(f.draft and self.speculator.recomputes(f.gen) for f in feeds):
+            # verifying decodes again, into the buffer the others' rows may live in
             rows = [np.array(r) for r in rows]
         events: dict[int, Event] = {}
         for f, r in zip(feeds, rows):
@@ -308,7 +311,7 @@ class Engine:
                         g.prompt_read(now)
                         events[g.seq] = self._finish(g, "length")
                     continue
-                ev = self._speculative_step(g, f.draft, r, now) if f.draft else self._plain_step(g, f.entry, r, now)
+                ev = self._verify(g, f.draft, r, now) if f.draft else self._plain_step(g, f.entry, r, now)
             except Exception as exc:  # its own grammar, sampler or stop strings: it ends alone
                 self._fail(g, exc)
                 continue
@@ -322,7 +325,7 @@ class Engine:
         its slot is free again, and the step's other generations are untouched. Its slot's
         KV holds only tokens the backend really decoded there, so a later prompt may still
         reuse its prefix."""
-        g.failed(step_failure(exc, len(g.output), g.calls is not None))
+        g.failed(step_failure(exc, len(g.output), g.has_tools))
         if g.error.http_status >= 500:  # a bug: the traceback is for the log only
             log.error("a generation failed in its %s", failed_stage(exc), exc_info=exc)
         self.release(g)
@@ -331,14 +334,20 @@ class Engine:
         """What each generation feeds this step, within the token budget."""
         budget = self.backend.n_batch if budget is None else max(1, min(budget, self.backend.n_batch))
         feeds: list[_Feed] = []
+        # the step as it is without drafts, which each draft is priced in (StepShare): a
+        # token from each decoding generation, and the prompt chunks the budget leaves room for
+        decoding = sum(1 for g in live if g.decoding)
+        rows = min(budget, decoding + sum(len(g.pending) for g in live if not g.decoding))
         for g in live:
             if budget <= 0:
                 break
             try:
-                draft = self._draft(g, budget - 1) if g.decoding and g.max_tokens else []
-            except Exception as exc:  # its prompt-lookup draft: it ends alone, not in the step
+                share = StepShare(rows=max(rows, 1), tokens=max(decoding, 1))
+                draft = self.speculator.draft(g, budget - 1, self.n_ctx, share) if g.decoding and g.max_tokens else []
+            except Exception as exc:  # its proposer's draft: it ends alone, not in the step
                 self._fail(g, exc)
                 continue
+            rows += len(draft)  # the next generation's draft joins a step this much wider
             pending = g.pending
             if not g.decoding and g.max_tokens:
                 # The prompt's last token is read alone, as it is when a cached prefix covers
@@ -353,13 +362,6 @@ class Engine:
             budget -= len(chunk)
         return feeds
 
-    def _draft(self, g: Generation, room: int) -> list[int]:
-        """Prompt-lookup draft for a decoding generation, within every limit it has."""
-        if not g.may_draft():
-            return []
-        k = min(room, g.tokens_left - 1, self.n_ctx - len(g.history) - 1)
-        return g.lookup.draft(g.history, k) if k > 0 else []
-
     def _plain_step(self, g: Generation, fed: BatchEntry, rows, now: float) -> Event:
         """The row after the tokens fed gives the next token."""
         g.fed(len(fed.tokens))
@@ -367,90 +369,29 @@ class Engine:
         g.stepped(0, 0, 0)
         return event
 
-    def _speculative_step(self, g: Generation, draft: list[int], rows, now: float) -> Event | None:
-        """Rows for the pending token and each draft token: each row is sampled exactly as
-        a plain step would, and a draft is kept while it is the token sampled; the KV of
-        what was not kept is trimmed. Asked for (`LookupConfig.exact_greedy`), under
-        greedy sampling a row from this wide step is trusted only where its choice leads
-        by more than the model's measured batch drift (speculative.BatchDrift); the first
-        row that does not is left to a one-row step. Returns None when no token came out
-        (the very first row was left)."""
-        base = g.n_cached  # where the pending token sits
-        exact = _exact_greedy(g)
-        lead = None  # the lead a greedy token needs in a wide step's row
-        if exact and self.drift.calibrating:
-            rows = self._recompute_alone(g, draft, rows)  # exact: rows of one-row steps
-            if rows is None:
-                return None
-        elif exact and self.drift.margin > 0:
-            lead = self.drift.margin
-        events: list[Event] = []
-        kept, unsure = 0, False
-        for i in range(len(draft) + 1):
-            event = self._produce(g, rows[i], now, lead)
-            if event is None:
-                unsure = True
-                break
-            events.append(event)
-            if g.done or i == len(draft) or event.tokens[-1:] != [draft[i]]:
-                break
-            kept += 1
-        if unsure:  # the row of position base + i is recomputed alone next step
-            g.redo_alone(base + len(events))
-        else:
-            g.fed(1 + kept)
-        if g.n_cached < base + 1 + len(draft) and not g.done:
-            try:
-                self.backend.kv_trim(g.seq, g.n_cached)
-            except CacheNotTrimmableError:  # an MLX rotating window: read the history again
-                self.backend.kv_clear(g.seq)
-                g.forgot()
-        if not events:
-            return None
-        # a row left to a one-row step costs what a rejection there would (the rows after it
-        # are thrown away), so the draft's judge counts it as one
-        g.stepped(len(draft), kept, min(kept + 1, len(draft)) if unsure else len(draft))
-        return Event.joined(events)
-
-    @staticmethod
-    def _clear_greedy(g: Generation, row: np.ndarray, lead: float) -> int | None:
-        """The greedy token of a wide step's row, or None when it leads the runner-up by
-        no more than `lead` (a one-row step might choose otherwise)."""
-        adjusted = g.sampler.adjusted(row, g.history)
-        best = int(np.argmax(adjusted))
-        before = adjusted[:best].max(initial=-np.inf)
-        after = adjusted[best + 1 :].max(initial=-np.inf)
-        return best if adjusted[best] - max(before, after) > lead else None
-
-    def _recompute_alone(self, g: Generation, draft: list[int], wide_rows) -> list[np.ndarray] | None:
-        """Decode the pending token and the draft again one row at a time (the rows a
-        plain run would see), measuring on the way how far the wide step's rows strayed
-        from them: how much the top-two margin of each row changed."""
-        base = g.n_cached
-        wide_rows = np.array(wide_rows)  # a backend's rows may live in a buffer the next decode reuses
-        try:
-            self.backend.kv_trim(g.seq, base)
-            alone = []
-            for j, token in enumerate([g.history[base]] + draft):
-                row = np.array(self.backend.decode([BatchEntry(g.seq, [token], base + j, 1)])[0][0])
-                self.drift.observe(margin_change(wide_rows[j], row))
-                alone.append(row)
-            if not self.drift.calibrating:
-                drift_cache.remember(self.backend, self.drift)
-            return alone
-        except DecodeInterrupted:  # nothing is decided this step; the KV goes back to the pending token
-            self.backend.kv_trim(g.seq, base)
-            return None
-        except CacheNotTrimmableError:  # no cut, no recomputing: the wide rows it is
-            return wide_rows
+    def _verify(self, g: Generation, draft: list[int], rows, now: float) -> Event | None:
+        """A speculative step's rows as one event (None when no token came out): the
+        speculator verifies them with this engine's own token choice."""
+        events = self.speculator.verify(g, draft, rows, now, self._produce)
+        return Event.joined(events) if events else None
 
     def _produce(self, g: Generation, raw_row, now: float, lead: float | None = None) -> Event | None:
         """Choose a token from one row (through the grammar's mask, if any) and emit it.
         With `lead` (greedy, a wide step's row): None when the choice is too close to call."""
+        if g.forced:  # the end-of-reasoning marker the budget asked for: written, not sampled
+            token = g.forced.pop(0)
+            g.forced_writing = True
+            try:
+                event = self._accept(g, token, now)
+            finally:
+                g.forced_writing = False
+            if g.sampler.params.n_probs and event.tokens:
+                event.top_probs, event.token_probs = [[(token, 1.0)]], [1.0]
+            return event
         row = raw_row if g.matcher is None else self._constrain(g, raw_row)
         n_probs = g.sampler.params.n_probs
         alternatives = g.sampler.top_probs(row, g.history, n_probs) if n_probs else None
-        token = g.sampler.sample(row, g.history) if lead is None else self._clear_greedy(g, row, lead)
+        token = g.sampler.sample(row, g.history) if lead is None else self.speculator.clear_greedy(g, row, lead)
         if token is None:
             return None
         event = self._accept(g, token, now)
@@ -509,20 +450,25 @@ class Engine:
         if not g.took(token, now):
             return self._finish(g, "stop")
         piece = g._utf8.feed(self.backend.token_bytes(token))
-        calls = None
-        if g.calls is not None:  # stop strings apply to content only, never inside a call
-            piece, calls = g.calls.feed(token, piece)
+        calls, reasoning = None, ""
+        if g.reply is not None:  # stop strings apply to content only: never to reasoning, nor inside a call
+            was_reasoning = g.reply.in_reasoning
+            part = g.reply.feed(token, piece)
+            piece, calls, reasoning = part.content, part.calls, part.reasoning
+            if g.reasoning_budget is not None:
+                g.reasoning_tokens += was_reasoning and g.reply.in_reasoning  # the markers do not count
+                self._end_reasoning_if_spent(g)
         text, hit = g.stops.feed(piece)
         if hit:
-            return self._finish(g, "stop", token, text, flush=False)
+            return self._finish(g, "stop", token, text, flush=False, reasoning=reasoning)
         if calls:  # content before a call is complete: what the stop matcher held goes out first
             text += g.stops.flush()
         calls = calls or None
         if g.matcher is not None and g.matcher.is_done():  # nothing but EOS may follow
-            return self._finish(g, "stop", token, text, calls=calls)
+            return self._finish(g, "stop", token, text, calls=calls, reasoning=reasoning)
         if len(g.output) >= g.max_tokens:
-            return self._finish(g, "length", token, text, calls=calls)
-        return Event(text, [token], tool_calls=calls)
+            return self._finish(g, "length", token, text, calls=calls, reasoning=reasoning)
+        return Event(text, [token], tool_calls=calls, reasoning=reasoning)
 
     def finish(self, g: Generation, reason: str = "length") -> Event:
         """End a generation early (a time budget ran out): the last event, with any text
@@ -531,18 +477,20 @@ class Engine:
 
     def _finish(
         self, g: Generation, reason: str, token: int | None = None, text: str = "", flush: bool = True,
-        calls: list[ToolCallDelta] | None = None,
+        calls: list[ToolCallDelta] | None = None, reasoning: str = "",
     ) -> Event:
         if flush:
             tail = g._utf8.flush()
-            if g.calls is not None:
-                tail, more = g.calls.finish(tail)
-                calls = (calls or []) + more or None
+            if g.reply is not None:
+                part = g.reply.finish(tail)
+                tail, reasoning = part.content, reasoning + part.reasoning
+                calls = (calls or []) + part.calls or None
             tail, hit = g.stops.feed(tail)
             text += tail + ("" if hit else g.stops.flush())
         g.ended(reason)
         self.release(g)
-        return Event(text, [token] if token is not None else [], g.finish_reason, g.timings, tool_calls=calls)
+        return Event(text, [token] if token is not None else [], g.finish_reason, g.timings, tool_calls=calls,
+                     reasoning=reasoning)
 
     def generate(
         self, prompt: str | Sequence[int], request: GenerationRequest | None = None, **options
@@ -569,14 +517,17 @@ class Engine:
         parts: list[str] = []
         tokens: list[int] = []
         deltas: list[ToolCallDelta] = []
+        thoughts: list[str] = []
         last = Event("", [], "length", Timings())
         for ev in self.generate(prompt, request, **options):
             parts.append(ev.text)
+            thoughts.append(ev.reasoning)
             tokens.extend(ev.tokens)
             deltas.extend(ev.tool_calls or ())
             last = ev
         return Completion(
-            "".join(parts), tokens, last.finish_reason or "length", last.timings or Timings(), collect_calls(deltas)
+            "".join(parts), tokens, last.finish_reason or "length", last.timings or Timings(), collect_calls(deltas),
+            "".join(thoughts),
         )
 
     def chat(self, messages: list[dict], request: GenerationRequest | None = None, **options) -> Iterator[Event]:
@@ -584,7 +535,8 @@ class Engine:
         `parallel_tool_calls=...` (or a request carrying them) render the tools with the
         model's template and hold its calls to them."""
         request = request_or_options(request, options)
-        return self.generate(self.chat_prompt(messages, tools=request.tools), request)
+        prompt = self.chat_prompt(messages, tools=request.tools, template_kwargs=request.template_kwargs)
+        return self.generate(prompt, request)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

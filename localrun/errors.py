@@ -4,9 +4,15 @@ Every foreseeable mistake (a wrong path, a file we cannot read, a prompt too lon
 the context, a bad parameter) raises one of these. The CLI prints `error: <message>`
 on one line and exits with `exit_code`; the server (later) maps `http_status`.
 A message says what went wrong and what to do about it.
+
+At the end, two readers of values a client sent, shared by every layer that checks them:
+`parse_client_json` and `client_integer`.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Callable
 
 
 class LocalrunError(Exception):
@@ -69,3 +75,26 @@ class CacheNotTrimmableError(LocalrunError):
 
     exit_code = 3
     http_status = 500
+
+
+def parse_client_json(text: str | bytes, invalid: Callable[[json.JSONDecodeError], str], too_deep: str):
+    """`json.loads` of JSON text a client sent, whose mistakes are the client's: text that
+    is not JSON raises BadRequestError(invalid(the decode error)), and text nested past
+    Python's recursion limit (json.loads recurses once per nested object or array) raises
+    BadRequestError(too_deep), not a RecursionError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequestError(invalid(exc)) from None
+    except RecursionError:
+        raise BadRequestError(too_deep) from None
+
+
+def client_integer(v) -> int | None:
+    """`v` as an int, or None when it is not an integer: a JSON client may send 40.0 for
+    40 (JSON has one number type), and a bool is none, though Python counts it as one."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    return None

@@ -14,10 +14,10 @@ from pathlib import Path
 from .errors import LocalrunError
 from .grammar.core import GrammarMatcher
 from .sampling import Sampler
-from .lookup.speculative import DraftController
+from .speculation.proposer import Proposer
 from .textstream import StopMatcher, Utf8Stream
 from .tools import ToolCall, ToolCallDelta
-from .tools.model import CallOutput
+from .tools.reply import ReplyParser
 
 
 class GenerationFailed(LocalrunError):
@@ -37,8 +37,7 @@ _STAGES = {
     "sampling": "sampler",
     "textstream": "stop strings",
     "tools": "tool-call parsing",
-    "speculative": "prompt lookup",
-    "lookup_edits": "prompt lookup",
+    "speculation": "speculative decoding",
 }
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -87,7 +86,7 @@ class Timings:
     ttft_ms: float = 0.0
     generated_tokens: int = 0
     steps: int = 0  # backend steps that produced tokens (prompt lookup makes it < tokens)
-    drafted: int = 0  # the one count of drafted tokens (the draft controller keeps none)
+    drafted: int = 0  # the one count of drafted tokens (the proposer keeps none)
     accepted: int = 0
 
     @property
@@ -112,7 +111,7 @@ class Timings:
 class Event:
     """A piece of streamed output; the last one has finish_reason and timings."""
 
-    text: str  # content: a tool call's markup never appears here
+    text: str  # content: a tool call's markup and the reasoning never appear here
     tokens: list[int]
     # "stop" (EOS or stop string) | "length" | "tool_calls" (ended normally after a call)
     finish_reason: str | None = None
@@ -123,6 +122,8 @@ class Event:
     token_probs: list[float] | None = None
     # with tools: the calls' pieces produced with this text (first delta of a call: id, name)
     tool_calls: list[ToolCallDelta] | None = None
+    # the reasoning ("thinking") produced with this event, apart from the answer's text
+    reasoning: str = ""
 
     @classmethod
     def joined(cls, events: list["Event"]) -> "Event":
@@ -138,6 +139,7 @@ class Event:
             [p for e in events for p in (e.top_probs or [])] or None,
             [p for e in events for p in (e.token_probs or [])] or None,
             [d for e in events for d in (e.tool_calls or [])] or None,
+            "".join(e.reasoning for e in events),
         )
 
 
@@ -148,6 +150,7 @@ class Completion:
     finish_reason: str
     timings: Timings
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass
@@ -161,15 +164,27 @@ class Generation:
     history: list[int] = field(default_factory=list)  # prompt + generated, in order
     n_cached: int = 0  # how many of history's tokens the backend's KV holds
     output: list[int] = field(default_factory=list)
-    lookup: DraftController | None = None
+    proposer: Proposer | None = None  # where its drafts come from (None: it never drafts)
+    exact_greedy: bool = False  # greedy drafts verified within the model's batch drift (LookupConfig)
     matcher: GrammarMatcher | None = None
-    calls: CallOutput | None = None  # with tools: splits the text into content and calls
+    # splits the answer into reasoning, content and calls (None: all of it is content)
+    reply: ReplyParser | None = None
+    has_tools: bool = False  # the request declared tools (its grammar is the call grammar)
+    # reasoning_budget: tokens of reasoning allowed (None: no limit); reasoning_tokens: spent;
+    # forced: tokens written next instead of sampled (the end-of-reasoning marker)
+    reasoning_budget: int | None = None
+    reasoning_tokens: int = 0
+    forced: list[int] = field(default_factory=list)
+    # the forced tokens close a thinking block the prompt opened, ahead of a request's own
+    # grammar (which holds the answer, not the thinking): the matcher does not see them
+    forced_outside_grammar: bool = False
+    forced_writing: bool = False  # the token being taken is a forced one
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     # why it ended early when its own work failed in a step (finish_reason is then "error")
     error: GenerationFailed | None = None
     # the next step feeds the pending token alone: a greedy token that a wide step could
-    # not decide exactly (see speculative.BatchDrift)
+    # not decide exactly (see speculation.drift.BatchDrift)
     plain_next: bool = False
     # a JSON-schema answer (json_budget): its last tokens only close what is open, and
     # when that narrowed a choice, it ends as cut by max_tokens ("length")
@@ -219,13 +234,16 @@ class Generation:
         if self.plain_next:
             self.plain_next = False
             return False
-        return self.lookup is not None
+        if self.forced:  # tokens already decided need no draft
+            return False
+        return self.proposer is not None
 
     def forgot(self) -> None:
         """The KV could not be cut back (an MLX rotating window) and was cleared: the next
         steps read the history again, and drafting, which needs the cut, stops."""
         self.n_cached = 0
-        self.lookup = None
+        self.release_proposer()
+        self.proposer = None
 
     def prompt_read(self, now: float) -> None:
         self.timings.prefill_ms = (now - self._t_start) * 1000
@@ -242,7 +260,7 @@ class Generation:
             t.decode_ms = (now - self._t_first) * 1000
         if token in self.stop_ids:  # the end-of-turn token itself is not output
             return False
-        if self.matcher is not None:
+        if self.matcher is not None and not (self.forced_outside_grammar and self.forced_writing):
             self.matcher.accept(token)
         self.output.append(token)
         self.history.append(token)
@@ -256,8 +274,14 @@ class Generation:
         t.steps += 1
         t.drafted += drafted
         t.accepted += accepted
-        if self.lookup is not None:
-            self.lookup.record(judged, accepted)
+        if self.proposer is not None:
+            self.proposer.record(judged, accepted)
+
+    def release_proposer(self) -> None:
+        """It drafts no more: its proposer gives back what it holds. The proposer stays, to
+        hear the verdict on the draft of the step that ended the generation."""
+        if self.proposer is not None:
+            self.proposer.release()
 
     def failed(self, error: GenerationFailed) -> None:
         """Its own work failed in a step: it ends here, with `error` for its client."""
@@ -265,7 +289,7 @@ class Generation:
         self.finish_reason = "error"
 
     def ended(self, reason: str) -> None:
-        if reason == "stop" and self.calls is not None and self.calls.made_calls and self.stops.matched is None:
+        if reason == "stop" and self.reply is not None and self.reply.made_calls and self.stops.matched is None:
             reason = "tool_calls"
         if reason == "stop" and self.cut_by_budget:
             reason = "length"

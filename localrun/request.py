@@ -34,6 +34,14 @@ Bounds, each a `BadRequestError` whose message starts with the field's name:
 - `t_max_predict_ms` (llama-server's editor time budget; the scheduler enforces it): None
   or a finite number of milliseconds up to `MAX_T_MAX_PREDICT_MS` = 86,400,000 (a day);
   0 or less means no limit, as in llama-server.
+- `reasoning_budget` (issue 50): None (unlimited) or 0..`MAX_TOKENS_LIMIT` tokens of
+  reasoning, after which the engine writes the model's own end-of-thinking marker.
+- `reasoning_format`: "auto" (reasoning apart from the answer, in `Event.reasoning`) or
+  "none" (the raw text, reasoning markup and all, in the answer).
+- `template_kwargs` (llama-server's `chat_template_kwargs`, e.g. `enable_thinking`):
+  a JSON object of at most `MAX_TEMPLATE_KWARGS_BYTES` = 16 KiB whose keys are not the
+  variables localrun itself gives the template (`messages`, `tools`, ...): a template
+  reads a handful of flags, and the whole object is checked on the event loop.
 - `n_indent` (llama.vim's indentation cut; the scheduler enforces it):
   0..`MAX_N_INDENT` = 1024 columns; no code indents deeper, and 1024 already cuts at
   every later line.
@@ -77,14 +85,15 @@ compile past either is a 400 naming the field ('grammar', 'json_schema', 'regex'
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
-from .errors import BadRequestError
+from .errors import BadRequestError, client_integer
 from .grammar.core import COMPILE_BUDGET_S, Grammar, GrammarMatcher, build_tokenizer
 from .sampling import SamplingParams
 from .sampling.declare import MAX_N_PROBS
-from .lookup.speculative import LookupConfig
+from .speculation.lookup import LookupConfig
 from .tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 
 MAX_STOP_STRINGS = 16
@@ -93,6 +102,10 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_GRAMMAR_CHARS = 1 << 18
 MAX_T_MAX_PREDICT_MS = 86_400_000
 MAX_N_INDENT = 1024
+MAX_TEMPLATE_KWARGS_BYTES = 1 << 14
+REASONING_FORMATS = ("auto", "none")
+# the variables localrun itself gives a chat template: a request cannot replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "bos_token", "eos_token", "add_generation_prompt"})
 
 MAX_MESSAGES = 8192
 MAX_CONTENT_PARTS = 256
@@ -124,6 +137,9 @@ class GenerationRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice | None = None  # None: "auto" when there are tools
     parallel_tool_calls: bool = True
+    reasoning_budget: int | None = None  # tokens of reasoning before the engine ends it
+    reasoning_format: str = "auto"  # "none": reasoning markup stays in the answer's text
+    template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables
     # limits the server's scheduler enforces (llama-server's fields); the engine ignores them
     t_max_predict_ms: float | None = None
     n_indent: int = 0
@@ -147,6 +163,10 @@ class GenerationRequest:
             raise BadRequestError(f"parallel_tool_calls must be true or false, got {self.parallel_tool_calls!r}")
         if tools and self.grammar is not None:
             raise BadRequestError("'grammar' cannot be combined with 'tools' (nor response_format / json_schema / format)")
+        object.__setattr__(self, "reasoning_budget", _reasoning_budget(self.reasoning_budget))
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise BadRequestError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got {self.reasoning_format!r}")
+        object.__setattr__(self, "template_kwargs", check_template_kwargs(self.template_kwargs))
         object.__setattr__(self, "t_max_predict_ms", _time_budget(self.t_max_predict_ms))
         object.__setattr__(self, "n_indent", _n_indent(self.n_indent))
 
@@ -161,16 +181,19 @@ class GenerationRequest:
         return cls(**{k: v for k, v in options.items() if v is not None})
 
 
+def _count(v, name: str, most: int, kind: str = "an integer") -> int:
+    """`v` as an integer in 0..most; the errors start with the field's name and say it
+    must be `kind`."""
+    n = client_integer(v)
+    if n is None:
+        raise BadRequestError(f"{name} must be {kind}, got {v!r}")
+    if not 0 <= n <= most:
+        raise BadRequestError(f"{name} must be in 0..{most}, got {n}")
+    return n
+
+
 def _max_tokens(v) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise BadRequestError(f"max_tokens must be an integer, got {v!r}")
-    if not 0 <= v <= MAX_TOKENS_LIMIT:
-        raise BadRequestError(f"max_tokens must be in 0..{MAX_TOKENS_LIMIT}, got {v}")
-    return v
+    return None if v is None else _count(v, "max_tokens", MAX_TOKENS_LIMIT)
 
 
 def _stops(v) -> tuple[str, ...]:
@@ -197,6 +220,27 @@ def _lookup(v) -> LookupConfig:
     return LookupConfig(enabled=v)
 
 
+def _reasoning_budget(v) -> int | None:
+    return None if v is None else _count(v, "reasoning_budget", MAX_TOKENS_LIMIT, "an integer number of tokens")
+
+
+def check_template_kwargs(v) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise BadRequestError(f"chat_template_kwargs must be a JSON object, got {type(v).__name__}")
+    try:
+        size = len(json.dumps(v, allow_nan=False))
+    except (TypeError, ValueError, RecursionError):
+        raise BadRequestError("chat_template_kwargs must hold only JSON values (strings, numbers, booleans, null, lists, objects)") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise BadRequestError(f"chat_template_kwargs must be at most {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON, got {size}")
+    taken = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(v))
+    if taken:
+        raise BadRequestError(f"chat_template_kwargs cannot set {', '.join(taken)}: localrun gives the template those itself")
+    return dict(v)
+
+
 def _time_budget(v) -> float | None:
     if v is None:
         return None
@@ -208,28 +252,25 @@ def _time_budget(v) -> float | None:
 
 
 def _n_indent(v) -> int:
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise BadRequestError(f"n_indent must be an integer, got {v!r}")
-    if not 0 <= v <= MAX_N_INDENT:
-        raise BadRequestError(f"n_indent must be in 0..{MAX_N_INDENT}, got {v}")
-    return v
+    return _count(v, "n_indent", MAX_N_INDENT)
 
 
 # -- preparing a request for one model ------------------------------------------------
 
 
-def prepare(engine, request: GenerationRequest) -> GenerationRequest:
+def prepare(engine, request: GenerationRequest, prompt=None) -> GenerationRequest:
     """`request` ready for `engine.start` to take in O(1): what needs the model's
     tokenizer or vocabulary is done here, and what is cached per model is warmed. A server
     calls this in a worker thread; calling it again on its result is cheap (cache hits).
-    `engine` is an `Engine` (its backend, info and token_text)."""
+    `engine` is an `Engine` (its backend, info and token_text); `prompt`: the prompt's
+    token ids, whose end says whether the template opened or closed a reasoning block
+    (the call grammar allows one or not; see localrun.tools.model)."""
     sampling = prepare_sampling(engine, request.sampling)
     grammar = request.grammar
     if request.tools:
-        # built once per model and tool set; raises ToolsUnsupportedError without tool support
-        grammar = engine.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls)
+        # built once per model, tool set and reasoning state; raises ToolsUnsupportedError
+        # without tool support
+        grammar = engine.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls, prompt=prompt)
     if grammar is not None:
         info = engine.info
         if info.eos_id is None and not info.stop_ids:

@@ -396,10 +396,9 @@ def split_estimate(shape: ModelShape, est: Estimate, local_free: int, workers: l
     the first layers, the token embeddings and the output head: rpc.head_override)."""
     from localrun.cluster import rpc
 
-    fake = tuple(rpc.Worker(rpc.Endpoint(name.rpartition(":")[0], int(name.rpartition(":")[2] or 0)), rpc.Hello(None),
-                            (rpc.Device(0, name, name, free, free),)) for name, free in workers)
-    placement = rpc.plan(shape.n_layer, fake, [], local_free, tensor_split)
-    owners = placement.owners()  # n_layer entries, then the output layer's
+    # one device a worker, so device i is worker i
+    split, offloaded = rpc.split_layers(shape.n_layer, [], [[free] for _, free in workers], local_free, tensor_split)
+    owners = rpc.layer_owners(shape.n_layer, offloaded, split)  # n_layer entries, then the output layer's
     kv_layers = kv_layer_bytes(shape, est.n_ctx, est.kv_type)
     holders = ["this machine"] + [name for name, _ in workers]
     weights, kv, layers = [0.0] * len(holders), [0.0] * len(holders), [0] * len(holders)

@@ -85,6 +85,7 @@ fi
 echo "$key" > "$stamp"
 "$VPY" scripts/fetch_test_models.py >/dev/null
 "$VPY" scripts/fetch_grammars.py >/dev/null
+"$VPY" scripts/fetch_templates.py >/dev/null
 # llama.cpp's own tools from the same vendored source, for the parity tests (quantize
 # and perplexity against localrun's): ~5 min on 2 cores the first time, cached in
 # ~/.cache/localrun/tools by version (and rebuilt if the compiler flags change).

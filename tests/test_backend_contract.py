@@ -347,24 +347,25 @@ def test_any_other_trim_failure_reaches_the_caller_and_frees_the_slot(error):
 # -- one set of load options ----------------------------------------------------------
 
 
-def _load_parameters(cls) -> dict[str, object]:
-    params = list(inspect.signature(cls.__init__).parameters.values())[2:]  # without self, path
-    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params), f"{cls.__name__} takes **kwargs or *args"
-    return {p.name: p.default for p in params}
-
-
 def test_both_backends_take_one_set_of_load_options():
+    """One BackendOptions value opens a model on either backend: each constructor takes it
+    (or its fields as keywords), and nothing else but the path."""
+    from localrun.backends.base import BackendOptions
     from localrun.backends.llamacpp import LlamaCppBackend
     from localrun.backends.mlx import MLXBackend
 
-    llama, mlx = _load_parameters(LlamaCppBackend), _load_parameters(MLXBackend)
-    assert {n: mlx.get(n, "absent") for n in llama} == llama  # same names, same defaults
-    assert set(mlx) - set(llama) == {"trust_remote_code"}
+    for cls in (LlamaCppBackend, MLXBackend):
+        params = list(inspect.signature(cls.__init__).parameters)
+        assert params == ["self", "path", "options", "fields"], cls.__name__
+    with pytest.raises(TypeError, match="not both"):
+        BackendOptions.of(BackendOptions(), n_ctx=64)
+    assert BackendOptions.of(None, n_ctx=64, kv_cache_type=None) == BackendOptions(n_ctx=64)  # None means f16
+    assert BackendOptions(n_seq=2, threads=3).changed() == {"n_seq": 2, "threads": 3}
 
 
 @pytest.mark.parametrize(
     "option, shown", [({"threads": 4}, "--threads 4"), ({"n_gpu_layers": 0}, "n_gpu_layers 0"),
-                      ({"workers": object()}, "--rpc"), ({"repack": False}, "repack False")]
+                      ({"cluster": object()}, "--rpc"), ({"repack": False}, "repack False")]
 )
 def test_mlx_refuses_llama_cpp_options_before_reading_anything(tmp_path, option, shown):
     """The folder is empty: only a refusal that comes first can answer with this error."""
@@ -375,5 +376,5 @@ def test_mlx_refuses_llama_cpp_options_before_reading_anything(tmp_path, option,
         MLXBackend(tmp_path, **option)
     msg = str(exc.value)
     assert msg.startswith(shown) and "llama.cpp models only" in msg and "\n" not in msg
-    with pytest.raises(TypeError, match="unexpected keyword argument 'flash_attn'"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'flash_attn'"):  # BackendOptions' own TypeError
         MLXBackend(tmp_path, flash_attn=True)

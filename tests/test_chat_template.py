@@ -379,3 +379,14 @@ def assert_far_below_the_budget(template: str) -> None:
                          ids=["chatml", "gemma", "tools", "features"])
 def test_real_templates_stay_far_below_the_budget(template):
     assert_far_below_the_budget(template)
+
+
+def test_tojson_takes_what_map_and_select_give():
+    """llama.cpp's DeepSeek-R1 template writes `tools | map(attribute='function') | tojson`:
+    Jinja's map is a generator, which JSON gets as its items."""
+    template = "{{ tools | map(attribute='function') | tojson }}|{{ messages | selectattr('role') | tojson }}"
+    out = render(template, [{"role": "user", "content": "hi"}], tools=[{"function": {"name": "f"}}],
+                 add_generation_prompt=False)
+    assert out == '[{"name": "f"}]|[{"role": "user", "content": "hi"}]'
+    with pytest.raises(BadRequestError):  # anything else JSON cannot hold is still the template's error
+        render("{{ x | tojson }}", [{"role": "user", "content": "hi"}], x=object(), add_generation_prompt=False)

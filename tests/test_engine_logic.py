@@ -190,8 +190,8 @@ def test_only_a_generation_that_may_draft_ages_the_measured_step_costs(lookup):
     answer = np.random.default_rng(7).integers(65, 91, 400).astype(np.uint8).tobytes()  # few drafts pass
     eng = Engine(ScriptedBackend(text_script(answer), n_ctx=1024))
     timed: list[tuple[int, bool]] = []
-    observe = eng.step_cost.observe
-    eng.step_cost.observe = lambda rows, ms, drafting=True: (timed.append((rows, drafting)), observe(rows, ms, drafting))
+    observe = eng.speculator.step_cost.observe
+    eng.speculator.step_cost.observe = lambda rows, ms, drafting=True: (timed.append((rows, drafting)), observe(rows, ms, drafting))
     text, events = collect(eng, "Q:", lookup=lookup)
     assert len(text) == 400 and len(timed) == events[-1].timings.steps
     assert {drafting for _, drafting in timed} == {lookup}

@@ -9,16 +9,17 @@ import dataclasses
 from unittest.mock import patch
 
 from localrun.engine import Engine
-from localrun.lookup.edits import LearnedEdits
+from localrun.speculation.edits import LearnedEdits
 from localrun.sampling import SamplingParams, TokenText
-from localrun.lookup.speculative import BatchDrift, DraftController, LookupConfig, NgramIndex
+from localrun.speculation.drift import BatchDrift
+from localrun.speculation.lookup import LookupConfig, LookupProposer, NgramIndex
 
 from fakes import EOS, ScriptedBackend
 
 CHEAP = LookupConfig(measure_cost=False, cost_per_draft=0.1)  # drafts readily: the tests are about what
 
 
-def write(controller: DraftController, prompt: list[int], answer: list[int], room: int = 16):
+def write(controller: LookupProposer, prompt: list[int], answer: list[int], room: int = 16):
     """Let `answer` be written after `prompt` as the engine would with lookup: each step
     verifies the controller's draft against the answer and keeps the agreeing part plus
     the answer's next token. Returns (steps, where in the answer drafts failed, every
@@ -55,7 +56,7 @@ def at_names(failed: list[int]) -> list[int]:
 
 
 def test_a_rename_made_once_is_drafted_at_every_later_occurrence():
-    c = DraftController(CHEAP)
+    c = LookupProposer(CHEAP)
     steps, failed, drafts = write(c, [1, 2, *SOURCE, 3, 4], [*RENAMED, EOS])
     assert len(c.edits) == 1
     # the first occurrence is the answer's first token (no draft there); a draft failed at
@@ -63,7 +64,7 @@ def test_a_rename_made_once_is_drafted_at_every_later_occurrence():
     assert at_names(failed) == [20]
     assert sum(d.count(8) for d in drafts) >= 2  # later occurrences came drafted, renamed
 
-    baseline = DraftController(dataclasses.replace(CHEAP, learn_edits=False))  # each occurrence ends a draft
+    baseline = LookupProposer(dataclasses.replace(CHEAP, learn_edits=False))  # each occurrence ends a draft
     base_steps, base_failed, _ = write(baseline, [1, 2, *SOURCE, 3, 4], [*RENAMED, EOS])
     assert len(at_names(base_failed)) >= 3
     assert steps < base_steps
@@ -106,7 +107,7 @@ def test_a_miss_the_answer_does_not_come_back_from_teaches_nothing():
 
 
 def test_an_edit_the_answer_stops_making_is_forgotten():
-    c = DraftController(CHEAP)
+    c = LookupProposer(CHEAP)
     # renamed at the first two occurrences, kept at the last two
     answer = [8 if t == 7 and i < 40 else t for i, t in enumerate(SOURCE)]
     _, failed, _ = write(c, [1, 2, *SOURCE, 3, 4], [*answer, EOS])
@@ -138,7 +139,7 @@ def scripted_run(prompt: list[int], answer: list[int], lookup, spelled: bool = T
 
     be = ScriptedBackend(script=model, n_ctx=512, n_batch=64)
     eng = Engine(be)
-    eng.drift = BatchDrift.known(0.0)
+    eng.speculator.drift = BatchDrift.known(0.0)
     # unspelled: no edit is taken for one that drops a bracket
     unspelled = patch.object(LearnedEdits, "_dropped_bracket", return_value=None)
     with unspelled if not spelled else contextlib.nullcontext():
@@ -173,8 +174,8 @@ def test_a_dropped_opening_bracket_drops_the_bracket_that_closed_it():
     prompt = [*PAREN_SOURCE, 3, 4]
     dropped = PAREN_ANSWER.index(ord('"'))  # where the answer leaves the source: `((` -> `(`
     closer = PAREN_ANSWER.index(ord(")")) + 1  # and where it writes `)` for `))`
-    _, failed, _ = write(DraftController(CHEAP, spelling=BYTES), prompt, [*PAREN_ANSWER, EOS], room=48)
-    _, failed_unspelled, _ = write(DraftController(CHEAP), prompt, [*PAREN_ANSWER, EOS], room=48)
+    _, failed, _ = write(LookupProposer(CHEAP, spelling=BYTES), prompt, [*PAREN_ANSWER, EOS], room=48)
+    _, failed_unspelled, _ = write(LookupProposer(CHEAP), prompt, [*PAREN_ANSWER, EOS], room=48)
     assert past_indent(failed_unspelled, PAREN_ANSWER) == [dropped, closer]
     assert past_indent(failed, PAREN_ANSWER) == [dropped]
 
@@ -198,7 +199,7 @@ def test_a_mirrored_closer_is_the_one_that_matches_and_only_that_one():
 def test_a_mirror_the_answer_does_not_make_is_forgotten():
     prompt = [*PAREN_SOURCE, 3, 4]
     answer = list(b'        errors.append("short", raw))\n        continue\n        entry = {"ts": float(parts[0])}\n')
-    c = DraftController(CHEAP, spelling=BYTES)
+    c = LookupProposer(CHEAP, spelling=BYTES)
     _, failed, _ = write(c, prompt, [*answer, EOS], room=48)
     kept = answer.index(ord(")")) + 1  # the mirror left this `)` out
     assert past_indent(failed, answer) == [answer.index(ord('"')), kept]

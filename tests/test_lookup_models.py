@@ -7,7 +7,7 @@ import numpy as np
 
 from localrun.backends.base import BatchEntry
 from localrun.sampling import SamplingParams
-from localrun.lookup.speculative import LookupConfig
+from localrun.speculation.lookup import LookupConfig
 
 GREEDY = SamplingParams(temperature=0)
 TEXT = (

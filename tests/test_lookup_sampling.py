@@ -24,7 +24,7 @@ import pytest
 from localrun.backends.base import BatchEntry
 from localrun.engine import Engine
 from localrun.sampling import Sampler, SamplingParams
-from localrun.lookup.speculative import LookupConfig
+from localrun.speculation.lookup import LookupConfig
 
 TEXT = (
     "The committee approved the new budget on Tuesday. The budget funds three new parks, "
@@ -107,7 +107,7 @@ def test_every_run_drafted_and_each_drafted_row_both_kept_and_rejected(runs):
 
 
 def test_each_row_of_a_speculative_step_is_sampled_as_a_plain_step_samples_it(runs):
-    """speculative.py: 'samples each row exactly as without speculation (same chain, same
+    """speculator.py: 'samples each row exactly as without speculation (same chain, same
     RNG draw) and keeps a draft while it equals the sampled token'. A sampler seeded like
     the run's, drawing from the same rows one after the other, must give the very tokens
     the engine emitted in its speculative step, for every seed: any other use of the

@@ -140,7 +140,7 @@ FLOORS = {
     "localrun.model": 1, "localrun.prompt": 1, "localrun.sampling": 1, "localrun.grammar": 1,
     "localrun.tools": 1, "localrun.cluster": 1,
     # running, storing and making models; speculation
-    "localrun.backends": 2, "localrun.quant": 2, "localrun.store": 2, "localrun.lookup": 2,
+    "localrun.backends": 2, "localrun.quant": 2, "localrun.store": 2, "localrun.speculation": 2,
     # the engine core
     "localrun.engine": 3, "localrun.generation": 3, "localrun.request": 3, "localrun.slots": 3,
     # what users run

@@ -30,7 +30,7 @@ from localrun.request import (
 from localrun.sampling import SamplingParams, TokenText
 from localrun.server import llama_api, ollama_api, openai_api
 from localrun.server.fields import Body, grammar_from, messages
-from localrun.lookup.speculative import LookupConfig
+from localrun.speculation.lookup import LookupConfig
 
 from fakes import N_VOCAB, ScriptedBackend, text_script
 

@@ -85,6 +85,15 @@ def test_plan_keeps_this_machines_share_on_its_cpu():
     assert rpc.plan(30, w, [], 100, (1.0, 0.0, 1.0)).layer_counts() == [("this machine", 15), ("a:1", 0), ("b:2", 15)]
 
 
+def test_the_placement_arithmetic_runs_on_plain_numbers_as_plan_does():
+    """`fit --rpc` prices a split before any worker is connected: split_layers takes free
+    bytes, not devices, and gives what plan() gives the devices."""
+    assert rpc.split_layers(30, [], [[100], [200]], 100) == ([100.0, 200.0], 23)
+    assert rpc.split_layers(30, [300], [[100, 200]], 0) == ([300.0, 100.0, 200.0], 31)
+    split, offloaded = rpc.split_layers(30, [], [[100], [200]], 100, (1.0, 0.0, 1.0))
+    assert rpc.layer_owners(30, offloaded, split)[:30].count(-1) == 15  # this machine keeps half
+
+
 def test_plan_gives_this_machines_share_to_its_gpus_and_spreads_a_worker_over_its_devices():
     gpu = rpc.Device(9, "CUDA0", None, 300, 400)
     p = rpc.plan(30, (_worker("a:1", 100, 200),), [gpu], 0)
@@ -300,7 +309,7 @@ def test_worker_offers_what_mem_says(tmp_path):
     try:
         assert "CPU (512 MB offered)" in worker.stderr()
         code = ("from localrun.cluster import rpc; import sys; "
-                "c = rpc.connect(rpc.parse_endpoints(sys.argv[1]), activate=False); "
+                "c = rpc.connect(rpc.parse_endpoints(sys.argv[1])); "
                 "print(c.workers[0].free, c.workers[0].devices[0].total)")
         res = subprocess.run([sys.executable, "-c", code, worker.endpoint], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr

@@ -163,8 +163,8 @@ def test_the_model_in_a_child_process_answers_as_in_process(workers, smollm2_ggu
 
     monkeypatch.setattr(remote, "SHARED_ROWS_BYTES", shared_rows * 4 * 49152)  # SmolLM2's vocabulary
 
-    cluster = rpc.connect([rpc.Endpoint("127.0.0.1", w.port) for w in workers], (1.0, 1.0, 1.0), activate=False)
-    options = dict(n_ctx=256, n_seq=2, n_batch=64, threads=1, workers=cluster)
+    cluster = rpc.connect([rpc.Endpoint("127.0.0.1", w.port) for w in workers], (1.0, 1.0, 1.0))
+    options = dict(n_ctx=256, n_seq=2, n_batch=64, threads=1, cluster=cluster)
     local = LlamaCppBackend(str(smollm2_gguf), **options)  # a worker serves one client: one after the other
     try:
         want = _exercise(local)

@@ -61,7 +61,7 @@ def opened(monkeypatch):
 
     calls = Opened()
 
-    def fake_open(path, **options):
+    def fake_open(path, options=None, **fields):
         calls.append(str(path))
         if calls.gate is not None:
             assert calls.gate.wait(30), "the test never let the load finish"
@@ -346,8 +346,8 @@ def test_an_mlx_folder_that_ships_code_is_refused_unless_trusted(tmp_path, opene
 
     trusted_opens = []
 
-    def open_engine(path, **options):
-        trusted_opens.append(options.get("trust_remote_code"))
+    def open_engine(path, options, chat_template=None):
+        trusted_opens.append(options.trust_remote_code)
         return Engine(ClosableBackend(str(path)))
 
     monkeypatch.setattr(Engine, "open", open_engine)

@@ -420,8 +420,8 @@ def test_a_later_system_message_joins_the_first_when_the_template_refuses_it():
     class Engine:
         tools = None
 
-        def chat_prompt(self, messages, tools=()):
-            self.text = chat_template.render(strict, messages, "", "", False)
+        def chat_prompt(self, messages, tools=(), template_kwargs=None):
+            self.text = chat_template.render(strict, messages, "", "", False, **(template_kwargs or {}))
             return [1]
 
     engine = Engine()

@@ -9,10 +9,12 @@ import os
 import numpy as np
 import pytest
 
-from localrun.lookup import speculative
+from localrun.speculation import lookup as speculative
 from localrun.engine import Engine
 from localrun.sampling import SamplingParams
-from localrun.lookup.speculative import Acceptance, BatchDrift, DraftController, LookupConfig, NgramIndex, StepCost, propose
+from localrun.speculation.drift import BatchDrift
+from localrun.speculation.proposer import ALONE, Proposer, StepShare
+from localrun.speculation.lookup import Acceptance, LookupConfig, LookupProposer, NgramIndex, StepCost, propose
 
 from fakes import EOS, N_VOCAB, ScriptedBackend
 
@@ -84,7 +86,7 @@ def run(lookup, sampling, prompt="abcabcab", max_tokens=12, stop=None, n_ctx=128
         lookup = LookupConfig(measure_cost=False, cost_per_draft=0.2)
     be = ScriptedBackend(logits_fn=markov_logits, n_ctx=n_ctx)
     eng = Engine(be)
-    eng.drift = BatchDrift.known(0.0)  # a scripted row never depends on the batch it is in
+    eng.speculator.drift = BatchDrift.known(0.0)  # a scripted row never depends on the batch it is in
     events = list(eng.generate(prompt, sampling=sampling, max_tokens=max_tokens, stop=stop, lookup=lookup))
     return events, be
 
@@ -191,7 +193,7 @@ def test_greedy_is_identical_when_wide_rows_drift():
     assert "x" not in off.text
     assert on.tokens == off.tokens
     assert on.timings.accepted > 10 and on.timings.steps < off.timings.steps  # it still paid
-    assert not eng.drift.calibrating and eng.drift.worst == pytest.approx(0.1, abs=1e-5)
+    assert not eng.speculator.drift.calibrating and eng.speculator.drift.worst == pytest.approx(0.1, abs=1e-5)
     # without the margin rule (the default) a wide row decides the tie the other way
     eng.backend.kv_clear(0)
     unruled = eng.complete("abcabcab", sampling=GREEDY, max_tokens=60,
@@ -205,7 +207,7 @@ def test_by_default_greedy_lookup_takes_wide_rows_as_they_come_and_measures_no_d
     out = eng.complete("abcabcab", sampling=GREEDY, max_tokens=60,
                        lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2))
     assert out.timings.accepted > 10
-    assert eng.drift.calibrating  # no row was decoded a second time to measure the drift
+    assert eng.speculator.drift.calibrating  # no row was decoded a second time to measure the drift
     assert len(be.calls) == 1 + out.timings.steps  # the prompt, then one decode per step: none redone
 
 
@@ -215,12 +217,12 @@ def test_a_row_left_to_a_one_row_step_counts_against_the_draft():
     be = DriftingBackend(logits_fn=near_tie_logits, n_ctx=512)
     eng = Engine(be)
     verdicts = []
-    judged = eng.acceptance.judged
-    eng.acceptance.judged = lambda band, drafted, accepted: (verdicts.append((drafted, accepted)),
+    judged = eng.speculator.acceptance.judged
+    eng.speculator.acceptance.judged = lambda band, drafted, accepted: (verdicts.append((drafted, accepted)),
                                                              judged(band, drafted, accepted))
     out = eng.complete("abcabcab", sampling=GREEDY, max_tokens=150,
                        lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2, exact_greedy=True))
-    assert "x" not in out.text and not eng.drift.calibrating
+    assert "x" not in out.text and not eng.speculator.drift.calibrating
     # no draft token here differs from the greedy one, yet the stops count as rejections
     assert any(accepted < drafted for drafted, accepted in verdicts)
     assert all(accepted == drafted or accepted + 1 == drafted for drafted, accepted in verdicts)
@@ -232,17 +234,17 @@ def test_controller_drafts_only_what_pays_at_the_measured_cost():
         cost.observe(1, 10.0)
         for rows in range(2, 6):
             cost.observe(rows, 12.0 * rows - 2.0)  # every extra row costs more than a plain step
-    c = DraftController(LookupConfig(), cost)
+    c = LookupProposer(LookupConfig(), cost)
     assert c.best_length(0.6, 4) == 0  # at that cost, 60% acceptance cannot pay
     assert c.best_length(0.99, 4) == 0  # nor can 99%: 1.99 tokens for 2.2 steps
-    cheap = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.1))
+    cheap = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.1))
     assert cheap.best_length(0.8, 8) > 2
 
 
 def test_where_a_longer_draft_pays_barely_more_the_shorter_is_taken():
     # SmolLM2 on this CPU: a row costs ~0.45 one-row steps, so past ~20 tokens a longer
     # draft is expected to pay 1-2% more while a departure in it loses every row after it.
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.45))
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.45))
 
     def gain(k: int, rate: float = 0.999) -> float:
         return sum(rate ** i for i in range(k + 1)) / c.row_cost(k + 1)
@@ -252,12 +254,12 @@ def test_where_a_longer_draft_pays_barely_more_the_shorter_is_taken():
     k = c.best_length(0.999, 48)
     assert 16 <= k < 40  # ...but a far shorter one is taken
     assert gain(k) >= speculative.NEAR_BEST * gain(most) > gain(k - 1)  # the shortest one that pays nearly as much
-    steep = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
+    steep = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.01))
     assert steep.best_length(0.999, 48) >= 44  # where each token adds more, the draft stays long
 
 
 def test_longer_matches_draft_longer():
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 140))
     long_match = copy + [1] + copy[:20]  # the tail repeats 20 tokens of an earlier span
     short_match = [7, 8, 1, 2, 3, 9, 4, 5, 6, 2, 3]  # [2, 3] once before, then 9
@@ -266,7 +268,7 @@ def test_longer_matches_draft_longer():
 
 
 def test_a_band_that_stopped_paying_comes_back_when_plain_steps_copy_again():
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 200))
     h = copy + [1] + copy[:20]  # a 20-token match: copying on keeps it in the longest band
     tries = 0
@@ -285,7 +287,7 @@ def test_a_band_that_stopped_paying_comes_back_when_plain_steps_copy_again():
 
 
 def test_shadow_drafts_that_the_answer_does_not_follow_keep_a_band_quiet():
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 200))
     h = copy + [1] + copy[:20]
     while c.draft(h, 8):
@@ -302,14 +304,14 @@ def test_a_new_generation_starts_from_the_models_record_until_its_own_drafts_fai
     copy = list(range(100, 200))
     h = copy + [1] + copy[:6]  # a 6-token match
     band = speculative._band(6)
-    fresh_start = len(DraftController(cfg).draft(h, 48))
+    fresh_start = len(LookupProposer(cfg).draft(h, 48))
     assert fresh_start > 0
     copied, failed = Acceptance(), Acceptance()
     for _ in range(6):
         copied.judged(band, 10, 10)  # a code edit: every draft kept whole
         failed.judged(band, 4, 0)  # a chat: every draft rejected at once
-    assert len(DraftController(cfg, model=failed).draft(h, 48)) < fresh_start
-    after_edits = DraftController(cfg, model=copied)
+    assert len(LookupProposer(cfg, model=failed).draft(h, 48)) < fresh_start
+    after_edits = LookupProposer(cfg, model=copied)
     assert len(after_edits.draft(h, 48)) > fresh_start  # a session of edits goes on copying...
     other = speculative._band(30)
     for _ in range(2):  # ...until this answer's drafts fail (in any band): a chat, then
@@ -319,11 +321,11 @@ def test_a_new_generation_starts_from_the_models_record_until_its_own_drafts_fai
 
 
 def test_a_draft_goes_around_a_loop_the_answer_repeats():
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.01))
     loop = [11, 12, 13, 14]
     h = [1, 2, 3] + loop * 3 + loop[:2]  # the tail has gone around a 4-token loop three times
     assert c.draft(h, 10) == (loop[2:] + loop * 2)[:10]  # not just the 3 tokens up to the end
-    once = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
+    once = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.01))
     phrase = list(range(20, 40))
     h = [1, 2, 3] + phrase + [9] + phrase  # a 20-token phrase, repeated once
     draft = once.draft(h, 30)
@@ -334,14 +336,14 @@ def test_a_phrase_the_answer_repeats_drafts_shorter_than_a_copy_of_the_prompt():
     cfg = LookupConfig(measure_cost=False, cost_per_draft=0.05)
     phrase = list(range(100, 140))
     h = [1, 2] + phrase + [3] + phrase[:10]  # 10 tokens agree with an earlier 40-token span
-    copying = DraftController(cfg, answer_start=len(h) - 10).draft(h, 30)  # the span is in the prompt
-    repeating = DraftController(cfg, answer_start=1).draft(h, 30)  # the span is the answer's own
+    copying = LookupProposer(cfg, answer_start=len(h) - 10).draft(h, 30)  # the span is in the prompt
+    repeating = LookupProposer(cfg, answer_start=1).draft(h, 30)  # the span is the answer's own
     assert copying == phrase[10:10 + len(copying)] and repeating == phrase[10:10 + len(repeating)]
     assert 0 < len(repeating) < len(copying)
     loop = [11, 12, 13, 14]
     h = [1, 2, 3] + loop * 3 + loop[:2]
     cheap = LookupConfig(measure_cost=False, cost_per_draft=0.01)  # where every drafted token pays
-    assert len(DraftController(cheap, answer_start=1).draft(h, 10)) == 10  # a loop goes on as a copy does
+    assert len(LookupProposer(cheap, answer_start=1).draft(h, 10)) == 10  # a loop goes on as a copy does
 
 
 def test_the_answers_own_phrases_keep_an_acceptance_apart_from_copies_of_the_prompt():
@@ -352,7 +354,7 @@ def test_the_answers_own_phrases_keep_an_acceptance_apart_from_copies_of_the_pro
     lap = prompt + sentence * 2 + sentence[:4]  # 12 tokens into saying an 8-token sentence again
 
     def drafted(model: Acceptance, answer_start: int) -> list[int]:
-        return DraftController(cfg, model=model, answer_start=answer_start).draft(lap, 48)
+        return LookupProposer(cfg, model=model, answer_start=answer_start).draft(lap, 48)
 
     own = drafted(Acceptance(), len(prompt))
     assert own == (sentence[4:] + sentence)[:len(own)] and own  # the answer's own phrase, repeated
@@ -377,7 +379,7 @@ def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_befo
     for _ in range(30):  # earlier answers whose drafts in this band were all rejected
         model.judged(band, 4, 0)
     before = model.rate(band)
-    later = DraftController(cfg, model=model)
+    later = LookupProposer(cfg, model=model)
     h = copy + [1] + copy[:20]  # a 20-token match
     assert [later.draft(h, 8) for _ in range(40)] == [[]] * 40  # the model's record speaks against it...
     steps = 0
@@ -391,7 +393,7 @@ def test_a_later_generation_that_copies_drafts_again_where_the_model_failed_befo
 def test_after_a_kept_draft_the_copy_goes_on_where_it_was_even_behind_a_common_pair():
     # Code repeats a pair such as (`last`, `_ts`) more often than the CANDIDATES most
     # recent places reach back: the copy the answer was making must still be found.
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.01))
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.01))
     pair = [7, 8]
     source = list(range(100, 120)) + pair + list(range(200, 240))
     source += [n for i in range(2 * speculative.CANDIDATES) for n in (50 + i, *pair, 60 + i)]  # the pair, often
@@ -408,8 +410,8 @@ def test_a_draft_stops_before_the_templates_control_tokens():
     question, end_turn, start_turn = list(range(100, 120)), 900, 901
     history = question + [end_turn, start_turn] + question[:12]  # the answer echoes the question
     cheap = LookupConfig(measure_cost=False, cost_per_draft=0.01)
-    assert DraftController(cheap).draft(history, 32)[:9] == question[12:] + [end_turn]
-    held = DraftController(cheap, control=frozenset({end_turn, start_turn}))
+    assert LookupProposer(cheap).draft(history, 32)[:9] == question[12:] + [end_turn]
+    held = LookupProposer(cheap, control=frozenset({end_turn, start_turn}))
     assert held.draft(history, 32) == question[12:]  # the echo's end, not the turn's
 
 
@@ -418,7 +420,7 @@ def test_the_engine_never_drafts_a_control_token_of_the_prompt():
     prompt = [ord(c) for c in "abcab"] + [control] + [ord(c) for c in "ab"]
     be = ScriptedBackend(logits_fn=markov_logits, n_ctx=128)
     eng = Engine(be)
-    eng.drift = BatchDrift.known(0.0)
+    eng.speculator.drift = BatchDrift.known(0.0)
     events = list(eng.generate(prompt, sampling=GREEDY, max_tokens=20,
                                lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2)))
     assert events[-1].timings.drafted > 0  # it drafted the pattern...
@@ -426,7 +428,7 @@ def test_the_engine_never_drafts_a_control_token_of_the_prompt():
 
 
 def test_controller_lengthens_drafts_when_they_are_accepted():
-    c = DraftController(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     copy = list(range(100, 140))
     h = copy + [1] + copy[:3]  # a 3-token match: prior 0.5
     short = len(c.draft(h, 32))
@@ -497,13 +499,93 @@ def test_a_measured_drift_is_remembered_for_the_same_model_file(tmp_path, monkey
         return Engine(be)
 
     first = engine()
-    assert first.drift.calibrating  # never measured for this file
+    assert first.speculator.drift.calibrating  # never measured for this file
     first.complete("abcabcab", sampling=GREEDY, max_tokens=80,
                    lookup=LookupConfig(measure_cost=False, cost_per_draft=0.2, exact_greedy=True))
-    assert not first.drift.calibrating
+    assert not first.speculator.drift.calibrating
     again = engine()
-    assert not again.drift.calibrating and again.drift.worst == pytest.approx(first.drift.worst)
+    assert not again.speculator.drift.calibrating and again.speculator.drift.worst == pytest.approx(first.speculator.drift.worst)
     os.utime(model, ns=(1, 1))  # another file now (a re-download, a re-quantize): measure again
-    assert engine().drift.calibrating
+    assert engine().speculator.drift.calibrating
     (tmp_path / "data" / "batch-drift.json").write_text("{not json")  # a damaged cache: measure again
-    assert engine().drift.calibrating
+    assert engine().speculator.drift.calibrating
+
+
+# -- the proposer seam ----------------------------------------------------------------
+
+
+class _Guesser(Proposer):
+    """A proposer that is not prompt lookup: it guesses the pattern's next tokens, wrong
+    on every third call, and keeps what the engine tells it."""
+
+    def __init__(self) -> None:
+        self.calls, self.verdicts, self.released = 0, [], 0
+
+    def draft(self, history, room, share=ALONE):
+        self.calls += 1
+        at = PATTERN.index(history[-1]) + 1 if history[-1] in PATTERN else 0  # markov_logits' likeliest path
+        nxt = [PATTERN[(at + i) % len(PATTERN)] for i in range(min(3, room))]
+        return [ord("y")] + nxt[1:] if self.calls % 3 == 0 else nxt
+
+    def record(self, judged, accepted):
+        self.verdicts.append((judged, accepted))
+
+    def release(self):
+        self.released += 1
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9)])
+def test_any_proposer_behind_the_seam_is_verified_exactly(sampling):
+    """The engine drafts from whatever Proposer a generation holds, keeps a draft only
+    where it is the token sampling gives, tells the proposer what was kept, and releases
+    it when the generation ends: the output is the one without drafts."""
+    off, _ = run(False, sampling, max_tokens=30)
+    be = ScriptedBackend(logits_fn=markov_logits, n_ctx=128)
+    eng = Engine(be)
+    gen = eng.start("abcabcab", sampling=sampling, max_tokens=30, lookup=False)
+    guesser = gen.proposer = _Guesser()
+    tokens = []
+    while not gen.done:
+        ev = eng.step([gen]).get(gen.seq)
+        tokens += ev.tokens if ev is not None else []
+    assert tokens == [t for e in off for t in e.tokens]
+    assert guesser.verdicts and any(a > 0 for _, a in guesser.verdicts)  # some drafts were kept
+    assert any(a < j for j, a in guesser.verdicts)  # and the wrong guesses were not
+    assert gen.timings.accepted == sum(a for _, a in guesser.verdicts)
+    assert guesser.released >= 1  # the generation's end gave its proposer back
+    assert len(be.calls) < 30  # fewer backend steps than tokens: the kept drafts paid
+
+
+def test_a_draft_that_pays_alone_does_not_pay_in_a_step_four_streams_share():
+    """A k-token draft widens the whole step: with four streams decoding together, every
+    one of them waits for its rows, so the draft must add more than it slows them by
+    (StepShare). At a 50% acceptance and a quarter step a row, one stream drafts; four
+    streams sharing a step do not; at 95% they still do."""
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    assert c.best_length(0.5, 8) > 0
+    assert c.best_length(0.5, 8, share=StepShare(rows=1, tokens=1)) == c.best_length(0.5, 8)  # alone, as before
+    assert c.best_length(0.5, 8, share=StepShare(rows=4, tokens=4)) == 0
+    assert c.best_length(0.95, 8, share=StepShare(rows=4, tokens=4)) > 0
+    # a step wide with another stream's prompt chunk makes a draft's rows cheap by comparison
+    assert c.best_length(0.5, 8, share=StepShare(rows=200, tokens=1)) >= c.best_length(0.5, 8)
+
+
+def test_the_engine_prices_each_draft_in_the_step_it_joins():
+    """Two generations decoding together: each proposer hears a step of two rows and two
+    tokens, the second one also the first one's draft rows."""
+    be = ScriptedBackend(logits_fn=markov_logits, n_ctx=128, n_seq=2)
+    eng = Engine(be)
+    gens = [eng.start("abcabcab", sampling=GREEDY, max_tokens=12, lookup=False) for _ in range(2)]
+    eng.step(gens)  # both read their prompts
+    heard = []
+
+    class Listener(_Guesser):
+        def draft(self, history, room, share=ALONE):
+            heard.append(share)
+            return super().draft(history, room, share)
+
+    for g in gens:
+        g.proposer = Listener()
+    eng.step(gens)
+    assert heard[0] == StepShare(rows=2, tokens=2)
+    assert heard[1].tokens == 2 and heard[1].rows == 2 + 3  # the first one's three drafted rows

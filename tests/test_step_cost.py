@@ -1,12 +1,12 @@
-"""StepCost (localrun/lookup/step_cost.py): what a speculative step of r rows costs on this
-model, learned from the steps the engine times, as DraftController reads it."""
+"""StepCost (localrun/speculation/step_cost.py): what a speculative step of r rows costs on this
+model, learned from the steps the engine times, as LookupProposer reads it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from localrun.lookup.speculative import DraftController, LookupConfig, StepCost
+from localrun.speculation.lookup import LookupProposer, LookupConfig, StepCost
 
 
 def _learned(cost: StepCost, rows: int, ratio: float, rounds: int = 40, one_row_ms: float = 10.0) -> StepCost:
@@ -47,12 +47,12 @@ def test_a_step_slowed_by_load_does_not_make_its_width_look_dear():
         cost.observe(1, ms)
     assert cost.one_row_ms() < 13.0
     _learned(cost, 4, 2.0, rounds=20)
-    before, drafted = cost.ratio(4, 0.5), DraftController(LookupConfig(), cost).best_length(0.9, 3)
+    before, drafted = cost.ratio(4, 0.5), LookupProposer(LookupConfig(), cost).best_length(0.9, 3)
     assert drafted >= 2
     cost.observe(4, 70.0)  # a 4-row step that lost the core
     cost.observe(1, 10.0)
     assert cost.ratio(4, 0.5) < 1.1 * before
-    assert DraftController(LookupConfig(), cost).best_length(0.9, 3) == drafted  # priced as before
+    assert LookupProposer(LookupConfig(), cost).best_length(0.9, 3) == drafted  # priced as before
 
 
 def test_a_width_judged_dear_is_measured_afresh_later():
@@ -60,10 +60,10 @@ def test_a_width_judged_dear_is_measured_afresh_later():
     for _ in range(5):
         cost.observe(1, 10.0)
     cost.observe(4, 80.0)  # its only measurement, slowed: no draft of 3 pays at that price
-    assert DraftController(LookupConfig(), cost).best_length(0.9, 3) < 3
+    assert LookupProposer(LookupConfig(), cost).best_length(0.9, 3) < 3
     for _ in range(2 * StepCost.STALE_STEPS):
         cost.observe(1, 10.0)  # a drafting answer's one-row steps: the width's estimate fades
-    assert DraftController(LookupConfig(), cost).best_length(0.9, 3) == 3  # tried again
+    assert LookupProposer(LookupConfig(), cost).best_length(0.9, 3) == 3  # tried again
 
 
 def test_only_steps_that_could_draft_age_a_width():
@@ -137,7 +137,7 @@ def test_every_widths_price_at_once_is_each_widths_price(measure_cost):
         rows = 1 if step % 7 else int(rng.integers(2, 30))
         cost.observe(rows, 20.0 * (1 + 0.6 * (rows - 1)) * float(np.exp(rng.normal(0, 0.08))))
     per = LookupConfig().cost_per_draft
-    ctrl = DraftController(LookupConfig(measure_cost=measure_cost), cost)
+    ctrl = LookupProposer(LookupConfig(measure_cost=measure_cost), cost)
     most, known = StepCost.MAX_ROWS + 9, StepCost.MAX_ROWS
     prices = ctrl.row_costs(most)
     if measure_cost:

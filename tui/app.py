@@ -8,7 +8,9 @@ and appends it to a Markdown stream, with one status update; the worker posts on
 `AnswerDone` at the end. While an answer is written no full garbage collection runs
 (`CollectorPause`), and the highlighter's rules are compiled while the first model
 loads. Esc sets the worker's cancel flag: it stops after the current backend step and
-the text written so far stays in the chat.
+the text written so far stays in the chat. A thinking model's thinking is shown folded
+and dimmed above its answer (thinking_view.py) and kept with it as the message's
+`reasoning_content`, which the template shows or drops in later prompts.
 
     python -m localrun chat MODEL [chat flags]   # `localrun chat`
 """
@@ -42,6 +44,7 @@ from .settings import ChatSettings, settings_from_args
 from .settings_screen import SettingsPanel
 from .status import StatusBar, process_rss
 from .stream import GIL_SWITCH_S, AnswerFeed, CollectorPause, FramePacer, warm_highlighter
+from .thinking_view import ThinkingView
 
 WELCOME = "Type a message — **Enter** sends, **Esc** stops the answer, **F1** lists every key and `/command`."
 
@@ -131,6 +134,7 @@ class ChatApp(SlashCommands, App):
         self.startup_error: LocalrunError | None = None
         self._cancel = threading.Event()
         self._answer: Markdown | None = None
+        self._thinking: ThinkingView | None = None  # the answer's thinking, once some came
         self._stream = None
         self._calls = ToolCallBlocks()
         self._feed = AnswerFeed()  # the answer worker's pieces, drawn once a frame
@@ -286,6 +290,7 @@ class ChatApp(SlashCommands, App):
         self._answer = self.add_message("assistant", "")
         self._answer.add_class("pending")
         self._stream = Markdown.get_stream(self._answer)
+        self._thinking = None
         self._calls = ToolCallBlocks()
         self._cancel = threading.Event()
         self._feed, self._pacer = AnswerFeed(), FramePacer()
@@ -314,14 +319,19 @@ class ChatApp(SlashCommands, App):
         if not force and not self._pacer.due(wall, cpu):
             return
         batch = self._feed.take()
-        if not batch.pieces:
+        if not batch.pieces and not batch.thinking:
             return  # nothing new: the next tick looks again
         self._pacer.drawn(wall, cpu)
         t = batch.timings
         if t is not None:
             self.status.update_values(state="", timings=t, lookup=self.settings.lookup,
                                       ctx_used=t.prompt_tokens + t.generated_tokens)
-        if self._stream is not None:
+        if batch.thinking and self._answer is not None:
+            if self._thinking is None:
+                self._thinking = ThinkingView()
+                await self.view.mount(self._thinking, before=self._answer)
+            self._thinking.add(batch.thinking)
+        if self._stream is not None and batch.pieces:
             piece = "".join(self._calls.text(text) + self._calls.calls(calls or ()) for text, calls in batch.pieces)
             # the stream's write queues the piece before it yields: a frame stopped there
             # (the answer ended) has still handed over everything it took
@@ -338,10 +348,13 @@ class ChatApp(SlashCommands, App):
                 await self._stream.write(closing)
             await self._stream.stop()
         self._stream, answer, self._answer = None, self._answer, None
+        thinking, self._thinking = self._thinking, None
         self.generating = False
         reply = msg.reply
         if reply is None or (reply.finish_reason == "cancelled" and not reply.text):
             # nothing was written: take the question back so it can be edited and resent
+            if thinking is not None:
+                await thinking.remove()
             if answer is not None:
                 await answer.remove()
             question = self.messages.pop() if self.messages and self.messages[-1]["role"] == "user" else None
@@ -359,7 +372,12 @@ class ChatApp(SlashCommands, App):
         if note:
             answer.border_subtitle = note
             answer.add_class("noted")  # draws the bottom border the note sits on
-        self.messages.append({"role": "assistant", "content": reply.text})
+        if thinking is not None:
+            thinking.finish(stopped=reply.finish_reason == "cancelled")
+        answered = {"role": "assistant", "content": reply.text}
+        if reply.reasoning:
+            answered["reasoning_content"] = reply.reasoning  # for the template: most drop it from later prompts
+        self.messages.append(answered)
         self.conv_model = reply.model
         self.status.update_values(state="", timings=reply.timings, ctx_used=reply.prompt_tokens + reply.timings.generated_tokens)
         if reply.dropped:
@@ -375,7 +393,12 @@ class ChatApp(SlashCommands, App):
             return
         if self.messages and self.messages[-1]["role"] == "assistant":
             self.messages.pop()
-            self.query(".assistant").last().remove()
+            answer = self.query(".assistant").last()
+            shown = list(self.view.children)
+            at = shown.index(answer) if answer in shown else 0
+            if at > 0 and shown[at - 1].has_class("thinking"):
+                shown[at - 1].remove()
+            answer.remove()
         if not self.messages:
             self.notify("Nothing to regenerate yet.")
             return
@@ -477,7 +500,8 @@ def run_chat(args, interactive: bool | None = None) -> int:
     try:
         # --chat-template FILE replaces the template of every model this chat opens
         opener = functools.partial(Engine.open, chat_template=getattr(args, "chat_template", None),
-                                   trust_remote_code=getattr(args, "trust_remote_code", False))
+                                   trust_remote_code=getattr(args, "trust_remote_code", False),
+                                   cluster=getattr(args, "cluster", None))
         session = ChatSession(n_ctx=args.ctx, threads=args.threads, opener=opener,
                               kv_cache_type=getattr(args, "kv_cache_type", "f16"))
         app = ChatApp(session, settings, store, initial_model(args, store))

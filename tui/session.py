@@ -5,6 +5,10 @@ becomes a prompt that fits the context, and one streamed answer that can be stop
 runs at most one engine call at a time, under `lock`). It drives the engine with
 `start`/`step` rather than `generate` so a stop request is seen between every backend
 step, prefill chunks included: Esc on a long prompt stops at once, not after it.
+
+A thinking model's thinking comes apart from the answer (`Reply.reasoning`); the app
+keeps it with the answer as the message's `reasoning_content`, and the template decides
+whether later prompts show it (most drop earlier turns' thinking).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Reply:
     prompt_tokens: int
     dropped: int  # oldest messages left out of the prompt so it fits the context
     model: str  # the model that wrote it (a switch may be under way when the app reads this)
+    reasoning: str = ""  # the thinking before (or between) the answer's parts
 
 
 def display_name(path: Path) -> str:
@@ -81,16 +86,19 @@ class ChatSession:
     def quant(self) -> str:
         return self.engine.info.quant if self.engine is not None else ""
 
-    def fit_prompt(self, messages: list[dict], system: str, reserve: int) -> tuple[list[int], int]:
+    def fit_prompt(
+        self, messages: list[dict], system: str, reserve: int, template_kwargs: dict | None = None
+    ) -> tuple[list[int], int]:
         """The chat prompt for `messages`, dropping the oldest turns until it leaves
         `reserve` tokens for the answer. Returns (tokens, messages dropped). The last
-        message is never dropped: when it alone is too long, ContextExceededError."""
+        message is never dropped: when it alone is too long, ContextExceededError.
+        `template_kwargs` (enable_thinking, ...) are given to the template."""
         engine = self.engine
         head = [{"role": "system", "content": system}] if system else []
         reserve = max(1, min(reserve, engine.n_ctx // 4))
         start = 0
         while True:
-            tokens = engine.chat_prompt(head + messages[start:])
+            tokens = engine.chat_prompt(head + messages[start:], template_kwargs=template_kwargs)
             if len(tokens) + reserve <= engine.n_ctx or start >= len(messages) - 1:
                 break
             # drop whole turns: through the next user message's answer, keep a user message first
@@ -112,31 +120,39 @@ class ChatSession:
         on_text: Callable[..., None],
     ) -> Reply:
         """Stream the answer to `messages` (ending with the user's turn) through
-        `on_text(piece, timings so far, tool call deltas or None)`; stops early when
-        `cancel` is set."""
+        `on_text(piece, timings so far, tool call deltas or None, thinking)` (the thinking
+        only when there is some); stops early when `cancel` is set."""
         with self.lock:
             engine = self.engine
             if engine is None:
                 raise LocalrunError("no model is open: pick one with Ctrl+O")
             reserve = settings.max_tokens or 256
-            tokens, dropped = self.fit_prompt(messages, settings.system, reserve)
+            thinking = settings.reasoning
+            tokens, dropped = self.fit_prompt(messages, settings.system, reserve, thinking["template_kwargs"])
             request = GenerationRequest(
                 sampling=replace(settings.sampling),
                 max_tokens=settings.max_tokens,
                 lookup=settings.lookup,
                 grammar=settings.grammar,
+                **thinking,
             )
             gen = engine.start(tokens, request)
             parts: list[str] = []
+            thoughts: list[str] = []
             try:
                 while not gen.done:
                     if cancel.is_set():
                         break
                     ev = engine.step([gen]).get(gen.seq)
-                    if ev is not None and (ev.text or ev.tool_calls):
+                    if ev is not None and ev.reasoning:
+                        thoughts.append(ev.reasoning)
+                        on_text(ev.text, replace(gen.timings), ev.tool_calls, ev.reasoning)
+                        parts.append(ev.text)
+                    elif ev is not None and (ev.text or ev.tool_calls):
                         parts.append(ev.text)
                         on_text(ev.text, replace(gen.timings), ev.tool_calls)
             finally:
                 engine.release(gen)  # frees the slot; marks an unfinished generation cancelled
             reason = gen.finish_reason or "cancelled"
-            return Reply("".join(parts), reason, replace(gen.timings), len(tokens), dropped, self.model_name)
+            return Reply("".join(parts), reason, replace(gen.timings), len(tokens), dropped, self.model_name,
+                         "".join(thoughts))

@@ -45,9 +45,12 @@ class ChatSettings:
     grammar_path: str = ""  # a GBNF or JSON-schema file; "" = free text
     grammar_kind: str = "gbnf"
     grammar: object | None = None  # the compiled localrun.grammar.core.Grammar, checked when set
+    # a thinking model's controls (--reasoning-budget, --think/--no-think): GenerationRequest's
+    # reasoning_budget and template_kwargs; the settings panel keeps them as they are
+    reasoning: dict = field(default_factory=lambda: {"reasoning_budget": None, "template_kwargs": {}})
 
     def copy(self) -> "ChatSettings":
-        return replace(self, sampling=replace(self.sampling))
+        return replace(self, sampling=replace(self.sampling), reasoning=dict(self.reasoning))
 
 
 def load_grammar(path: str, kind: str):
@@ -71,9 +74,12 @@ def settings_from_args(args) -> ChatSettings:
     """The `localrun chat` flags as settings; a bad flag fails before the model loads."""
     from localrun.sampling.flags import sampling_from_args
 
+    from .thinking import reasoning_options
+
     if args.max_tokens is not None and args.max_tokens < 1:
         raise BadRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     s = ChatSettings(sampling_from_args(args), args.max_tokens, bool(args.lookup), args.system or "")
+    s.reasoning = reasoning_options(args)
     grammar_file = getattr(args, "grammar", None)
     schema_file = getattr(args, "json_schema", None)
     if grammar_file or schema_file:

@@ -69,6 +69,7 @@ class SettingsPanel(ModalScreen):
             w.remove_class("invalid")
         try:
             settings = parse_form(values, lookup, system.strip(), str(kind))
+            settings.reasoning = dict(self.settings.reasoning)  # set by flags; the panel does not show them
         except FieldError as exc:
             self.query_one("#settings-error", Label).update(f"✗ {exc}")
             if exc.field:

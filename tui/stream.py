@@ -41,6 +41,7 @@ class Batch:
 
     pieces: list[tuple[str, list | None]] = field(default_factory=list)
     timings: object | None = None
+    thinking: str = ""  # the thinking that arrived (drawn in its own folded block, apart from the pieces)
 
 
 class AnswerFeed:
@@ -56,18 +57,23 @@ class AnswerFeed:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pieces: list[tuple[str, list | None]] = []
+        self._thinking: list[str] = []
         self._timings = None
 
-    def put(self, text: str, timings, tool_calls: list | None = None) -> None:
+    def put(self, text: str, timings, tool_calls: list | None = None, thinking: str = "") -> None:
         with self._lock:  # held only for an append: never for as long as a frame takes to draw
-            self._pieces.append((text, tool_calls))
+            if text or tool_calls:
+                self._pieces.append((text, tool_calls))
+            if thinking:
+                self._thinking.append(thinking)
             self._timings = timings
 
     def take(self) -> Batch:
         with self._lock:
             pieces, self._pieces = self._pieces, []
+            thinking, self._thinking = self._thinking, []
             timings, self._timings = self._timings, None
-        return Batch(pieces, timings)
+        return Batch(pieces, timings, "".join(thinking))
 
 
 class FramePacer:

@@ -278,29 +278,25 @@ class Worker:
 
 @dataclass(frozen=True)
 class Cluster:
-    """The workers this process uses (registration in llama.cpp is process-wide)."""
+    """RPC workers to split a model over, as `connect` found them: a value the caller
+    hands to the model it loads (Engine.open(..., cluster=...)). Their registration with
+    llama.cpp is process-wide and happens once per endpoint (see `any_registered`)."""
 
     workers: tuple[Worker, ...]
     tensor_split: tuple[float, ...] | None = None  # this machine, then each worker
 
 
-_ACTIVE: Cluster | None = None
 _REGISTERED: dict[str, int] = {}  # endpoint -> ggml_backend_reg_t, once per process
 
 
-def active() -> Cluster | None:
-    """The workers `--rpc` asked for in this process (every GGUF load then uses them)."""
-    return _ACTIVE
-
-
 def any_registered() -> bool:
+    """Whether this process registered workers with llama.cpp (whose default device list
+    then names them: a model loaded without a cluster must name this machine's own)."""
     return bool(_REGISTERED)
 
 
-def connect(endpoints: list[Endpoint], tensor_split: tuple[float, ...] | None = None,
-            activate: bool = True) -> Cluster:
+def connect(endpoints: list[Endpoint], tensor_split: tuple[float, ...] | None = None) -> Cluster:
     """Probe every endpoint, then register each with llama.cpp and read its devices."""
-    global _ACTIVE
     usable, why = availability()
     if not usable:
         raise RpcError(f"--rpc cannot be used: {why}")
@@ -329,10 +325,7 @@ def connect(endpoints: list[Endpoint], tensor_split: tuple[float, ...] | None = 
             free, total = g.memory(dev)
             devs.append(Device(dev, (g.dev_name(dev) or b"?").decode(), key, free, total))
         workers.append(Worker(ep, hellos[key], tuple(devs)))
-    cluster = Cluster(tuple(workers), tensor_split)
-    if activate:
-        _ACTIVE = cluster
-    return cluster
+    return Cluster(tuple(workers), tensor_split)
 
 
 def local_gpus() -> list[Device]:
@@ -404,29 +397,40 @@ class Placement:
         return ", ".join(f"{who}: {n} layers" for who, n in self.layer_counts()) + "; output head: this machine"
 
 
+def split_layers(n_layer: int, gpu_frees: list[int], worker_frees: list[list[int]], local_free: int,
+                 tensor_split: tuple[float, ...] | None = None) -> tuple[list[float], int]:
+    """The arithmetic of a placement, on plain numbers: each device's proportion (this
+    machine's GPUs, then each worker's devices, in that order) and how many layers are
+    offloaded (llama.cpp's n_gpu_layers). Shares go by free memory (or --tensor-split:
+    this machine first); a holder's share is spread over its devices by their free
+    memory. `fit --rpc` prices a split with it before any model is loaded."""
+    shares = list(tensor_split) if tensor_split else [float(sum(gpu_frees) or local_free)] + [
+        float(sum(frees)) for frees in worker_frees]
+    split: list[float] = []
+
+    def spread(frees, share):
+        room = sum(frees)
+        split.extend(share * (free / room if room else 1.0 / len(frees)) for free in frees)
+
+    if gpu_frees:
+        spread(gpu_frees, shares[0])
+    for frees, share in zip(worker_frees, shares[1:]):
+        spread(frees, share)
+    if gpu_frees:  # the local GPUs take this machine's share; its CPU keeps the input layer only
+        return split, n_layer + 1
+    total = sum(shares)
+    return split, round((n_layer + 1) * (total - shares[0]) / total) if total else n_layer + 1
+
+
 def plan(n_layer: int, workers: tuple[Worker, ...], gpus: list[Device], local_free: int,
          tensor_split: tuple[float, ...] | None = None) -> Placement:
-    """Shares by free memory (or --tensor-split: this machine first), turned into the
-    device list, per-device proportions and n_gpu_layers llama.cpp takes."""
-    shares = list(tensor_split) if tensor_split else [float(sum(g.free for g in gpus) or local_free)] + [
-        float(w.free) for w in workers]
-    devices, split = [], []
-
-    def spread(devs, share):  # a holder's share over its devices, by their free memory
-        room = sum(d.free for d in devs)
-        for d in devs:
-            devices.append(d)
-            split.append(share * (d.free / room if room else 1.0 / len(devs)))
-
-    if gpus:
-        spread(gpus, shares[0])
-    for w, share in zip(workers, shares[1:]):
-        spread(w.devices, share)
-    total = sum(shares)
-    if gpus:  # the local GPUs take this machine's share; its CPU keeps the input layer only
-        return Placement(tuple(devices), tuple(split), n_layer + 1, n_layer, "this machine (GPU)")
-    offloaded = round((n_layer + 1) * (total - shares[0]) / total) if total else n_layer + 1
-    return Placement(tuple(devices), tuple(split), offloaded, n_layer, "this machine")
+    """The device list, per-device proportions and n_gpu_layers llama.cpp takes (see
+    split_layers)."""
+    split, offloaded = split_layers(n_layer, [g.free for g in gpus], [[d.free for d in w.devices] for w in workers],
+                                    local_free, tensor_split)
+    devices = tuple(gpus) + tuple(d for w in workers for d in w.devices)
+    local = "this machine (GPU)" if gpus else "this machine"
+    return Placement(devices, tuple(split), offloaded, n_layer, local)
 
 
 def refreshed(worker: Worker) -> Worker:
@@ -548,5 +552,5 @@ def install_abort_hook(hellos: dict[str, Hello]) -> None:
 
 
 __all__ = ["Cluster", "DEFAULT_PORT", "Device", "Endpoint", "Hello", "NETWORK_WARNING", "Placement", "RpcError",
-           "Worker", "active", "availability", "connect", "layer_owners", "parse_endpoints", "parse_tensor_split",
-           "placement_for", "plan", "probe", "rpc_function"]
+           "Worker", "availability", "connect", "layer_owners", "parse_endpoints", "parse_tensor_split",
+           "placement_for", "plan", "probe", "rpc_function", "split_layers"]

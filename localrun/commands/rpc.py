@@ -49,8 +49,8 @@ def _refuse_mlx(args) -> None:
 
 
 def apply_rpc_flags(args, announce: bool | None = None):
-    """Probe and register the --rpc workers for this process; every GGUF load in it then
-    uses them. Returns the rpc.Cluster, or None without --rpc."""
+    """Probe and register the --rpc workers: the rpc.Cluster a GGUF load is to split over
+    (Engine.open(..., cluster=...)), or None without --rpc."""
     text, split = getattr(args, "rpc", None), getattr(args, "tensor_split", None)
     if not text:
         if split:

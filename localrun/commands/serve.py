@@ -8,6 +8,7 @@ import logging
 import sys
 
 from ..errors import BadRequestError
+from ..server.reasoning_options import add_reasoning_flags
 
 DEFAULT_PORT = 11435
 
@@ -18,8 +19,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..server.app import build_app
     from ..server.keep_alive import parse_keep_alive
     from ..server.models import ModelManager, display_name
+    from ..server.reasoning_options import reasoning_defaults
     from ..server.shutdown import BoundedServer
 
+    reasoning = reasoning_defaults(args)  # a bad --reasoning-budget fails before any model loads
     if args.parallel < 1:
         raise BadRequestError(f"--parallel must be at least 1, got {args.parallel}")
     if args.ctx is not None and args.ctx < 16:
@@ -34,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.rpc_timeout is not None and not args.rpc:
         raise BadRequestError("--rpc-timeout bounds calls to --rpc workers: add --rpc HOST:PORT, or drop it")
-    apply_rpc_flags(args, announce=True)  # --rpc workers: probed and registered once; every GGUF load uses them
+    cluster = apply_rpc_flags(args, announce=True)  # --rpc workers: probed once; every GGUF load splits over them
     if args.rpc_timeout is not None:
         from ..backends import remote
 
@@ -47,10 +50,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
         args.batch, args.max_models, kv_cache_type=args.kv_cache_type, allow_paths=args.allow_paths,
         trust_remote_code=args.trust_remote_code, chat_template=args.chat_template, aliases=aliases,
+        cluster=cluster,
     )
     _log_to_stderr(args.log_level)
     _announce_contexts(manager)
-    app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body, args.host)
+    app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body, args.host,
+                    reasoning=reasoning)
     print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)",
           file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
@@ -157,6 +162,7 @@ def add_commands(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template used instead of every served model's own (as llama-server's"
                    " --chat-template-file), e.g. one that renders tools for a model whose template has none")
+    add_reasoning_flags(p)
     p.add_argument("--keep-alive", default="5m", help="unload a model idle this long (Ollama syntax; -1 = never)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",

@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import BadRequestError
+from ..errors import BadRequestError, parse_client_json
 from .gbnf import gbnf_to_lark_text, place_in_gbnf
 
 try:
@@ -486,14 +486,11 @@ class Grammar:
         replaces any layout in the schema's own `x-guidance`."""
         if isinstance(schema, str):
             _check_size(schema, MAX_SCHEMA_BYTES, "JSON schema", "MAX_SCHEMA_BYTES")
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise BadRequestError(
-                    f"the JSON schema is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
-                ) from None
-            except RecursionError:  # json.loads recurses once per nested object or array
-                raise BadRequestError(_TOO_DEEP) from None
+            schema = parse_client_json(
+                schema,
+                lambda exc: f"the JSON schema is not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                _TOO_DEEP,
+            )
         if not isinstance(schema, (dict, bool)):
             raise BadRequestError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
         _check_schema_shape(schema)

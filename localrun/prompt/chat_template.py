@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import reprlib
+from collections.abc import Iterator
 from datetime import datetime
 from functools import lru_cache
 
@@ -67,7 +68,15 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
     width = len(indent) if isinstance(indent, str) else indent or 0
     if width > MAX_JSON_INDENT:  # each line of the JSON repeats it
         raise BudgetExceeded(f"asked tojson for an indent of {width:,} (at most {MAX_JSON_INDENT})")
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, default=_listed)
+
+
+def _listed(value):
+    """Jinja's `map` and `select` give generators (llama.cpp's DeepSeek-R1 template writes
+    `tools | map(attribute='function') | tojson`): JSON gets their items as a list."""
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 @lru_cache(maxsize=8)

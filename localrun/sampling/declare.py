@@ -17,7 +17,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import BadRequestError
+from ..errors import BadRequestError, client_integer
 
 BIG = 1e6  # far past any useful weight or temperature; float32 logits stay finite
 MAX_WINDOW = 1 << 20  # token windows (repeat_last_n, ...): a million tokens; -1 = the whole context
@@ -88,13 +88,12 @@ def param(default, kind: str, valid: Callable[[Any], bool] | None, means: str, *
 def _integer(p: Param, v):
     if v is None and p.optional:
         return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)  # JSON clients send 40.0
-    if not isinstance(v, int) or isinstance(v, bool):
+    n = client_integer(v)  # JSON clients send 40.0
+    if n is None:
         raise BadRequestError(f"{p.name} must be an integer, got {show(v)}")
-    if not -INT64 <= v < INT64 and not (p.valid and p.valid(v)):  # only the seed is a uint64
-        raise BadRequestError(f"{p.name} must fit in a 64-bit integer, got {show(v)}")
-    return v
+    if not -INT64 <= n < INT64 and not (p.valid and p.valid(n)):  # only the seed is a uint64
+        raise BadRequestError(f"{p.name} must fit in a 64-bit integer, got {show(n)}")
+    return n
 
 
 def _number(p: Param, v):

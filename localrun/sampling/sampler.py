@@ -10,26 +10,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import BadRequestError
+from . import stages
 from .breakers import NO_BREAKERS, DryBreakers, TokenText
 from .dry import dry_penalties
 from .fused import FusedChain
 from .mirostat import mirostat_v1, mirostat_v2
 from .params import _ARGMAX_CHANGING, SamplingParams
-from .stages import (
-    _Cands,
-    _log_softmax,
-    _softmax,
-    _top_indices,
-    apply_logit_bias,
-    apply_penalties,
-    min_p,
-    temperature,
-    top_k,
-    top_n_sigma,
-    top_p,
-    typical,
-    xtc,
-)
+from .stages import _Cands, _log_softmax, _softmax, _top_indices
 
 
 # -- the sampler ---------------------------------------------------------------------
@@ -78,25 +65,26 @@ class Sampler:
     def _stage(self, name: str, c: _Cands, history: Sequence[int]) -> None:
         p = self.params
         if name == "penalties":
-            apply_penalties(c, history, p.repeat_last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty)
+            stages.apply_penalties(c, history, p.repeat_last_n, p.repeat_penalty, p.frequency_penalty,
+                                   p.presence_penalty)
         elif name == "dry":
             self._dry(c, history)
         elif name == "logit_bias":
-            apply_logit_bias(c, p.logit_bias)
+            stages.apply_logit_bias(c, p.logit_bias)
         elif name == "top_n_sigma":
-            top_n_sigma(c, p.top_n_sigma)
+            stages.top_n_sigma(c, p.top_n_sigma)
         elif name == "top_k":
-            top_k(c, p.top_k)
+            stages.top_k(c, p.top_k)
         elif name == "typ_p":
-            typical(c, p.typical_p, p.min_keep)
+            stages.typical(c, p.typical_p, p.min_keep)
         elif name == "top_p":
-            top_p(c, p.top_p, p.min_keep)
+            stages.top_p(c, p.top_p, p.min_keep)
         elif name == "min_p":
-            min_p(c, p.min_p, p.min_keep)
+            stages.min_p(c, p.min_p, p.min_keep)
         elif name == "xtc":
-            xtc(c, p.xtc_probability, p.xtc_threshold, p.min_keep, self.rng)
+            stages.xtc(c, p.xtc_probability, p.xtc_threshold, p.min_keep, self.rng)
         elif name == "temperature":
-            temperature(c, p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+            stages.temperature(c, p.temperature, p.dynatemp_range, p.dynatemp_exponent)
 
     def _dry(self, c: _Cands, history: Sequence[int]) -> None:
         p = self.params
@@ -169,7 +157,7 @@ class Sampler:
         if p.mirostat:
             for name in self._pre:
                 self._stage(name, c, history)
-            temperature(c, p.temperature)
+            stages.temperature(c, p.temperature)
             if p.mirostat == 1:
                 mirostat_v1(c, self.mu, n_vocab)
             else:

@@ -11,7 +11,9 @@ engine (the reply is rendered by anthropic_stream.py):
     user tool_result blocks                 -> one "tool" message each (tool_call_id), before
                                                the user text of the same message
     assistant text + tool_use blocks        -> "assistant" content + tool_calls (input = arguments)
-    thinking / redacted_thinking blocks     -> dropped (these models do not think yet)
+    assistant thinking blocks               -> the assistant message's reasoning_content (the
+                                               template decides whether earlier thinking shows);
+                                               redacted_thinking blocks are dropped (sealed text)
     image / document / other blocks         -> 400 naming the block
     tools [{name, description, input_schema}] -> Tool objects; Anthropic's server tools
                                                (a `type` such as web_search_20250305) are left out,
@@ -19,10 +21,13 @@ engine (the reply is rendered by anthropic_stream.py):
                                                (UNIMPLEMENTED_KEYWORDS), not refused
     tool_choice auto|any|tool|none          -> auto|required|named|none, and
                                                disable_parallel_tool_use -> parallel_tool_calls
+    thinking {type: enabled, budget_tokens} -> a reasoning budget; {type: disabled} ->
+                                               enable_thinking false; output_config.effort ->
+                                               reasoning_effort (reasoning.py)
 
 Every field is checked when the body is read, with an error that names it; fields this
-server has no use for (metadata, thinking, context_management, output_config,
-service_tier, cache_control, and any unknown field) are accepted and logged at debug
+server has no use for (metadata, context_management, service_tier, cache_control, and any
+unknown field) are accepted and logged at debug
 level, never refused: Claude Code sends all of them."""
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ from ..tools import (
     parse_tool_choice, parse_tools,
 )
 from .anthropic_stream import message_body, message_events, prompt_too_long
-from .fields import SAMPLING_FIELDS, Body, generation_request, sampling_params
+from .fields import SAMPLING_FIELDS, Body, generation_request, objects, sampling_params
+from .reasoning import NO_REASONING, Reasoning, anthropic
 from .http import stream
 from .openai_api import chat_tokens
 from .runner import collect, submit
@@ -63,11 +69,10 @@ KNOWN_FIELDS = frozenset({
 })
 # Fields accepted for compatibility that change nothing here, with why (logged at debug level)
 IGNORED_FIELDS = {
-    "thinking": "these models do not reason separately yet",
     "metadata": "no per-user accounting here",
     "service_tier": "one tier",
     "context_management": "history edits are the client's",
-    "output_config": "no effort levels here",
+    "output_config": "only its effort is read (as the template's reasoning_effort)",
     "cache_control": "the prompt cache is automatic",
     "container": "no code-execution containers here",
     "mcp_servers": "no remote MCP connector here",
@@ -76,7 +81,6 @@ IGNORED_FIELDS = {
 # which recurses: bound its depth (agents' arguments nest a handful of levels).
 MAX_INPUT_DEPTH = 64
 TOOL_RESULT_ERROR = "Error: "  # what a tool_result with is_error: true starts with (no field for it in templates)
-THINKING_TYPES = ("enabled", "adaptive", "disabled")
 CHOICES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 
 
@@ -87,6 +91,7 @@ class Parsed:
     messages: list[dict]
     tools: tuple[Tool, ...]
     request: GenerationRequest | None  # None for count_tokens (nothing is generated)
+    reasoning: Reasoning = NO_REASONING  # the thinking controls (their template variables shape the prompt)
 
 
 def _show(v) -> str:
@@ -94,9 +99,10 @@ def _show(v) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def read_request(b: Body, generate: bool = True) -> Parsed:
+def read_request(b: Body, generate: bool = True, defaults: Reasoning = NO_REASONING) -> Parsed:
     """The body as Parsed; compiles the tools' schemas (llguidance), so call it off the
-    event loop. `generate` False reads a count_tokens body (no max_tokens, no sampling)."""
+    event loop. `generate` False reads a count_tokens body (no max_tokens, no sampling).
+    `defaults`: the server's reasoning controls."""
     unknown = sorted(set(b.data) - KNOWN_FIELDS)
     if unknown:
         log.debug("anthropic: ignoring unknown field(s) %s", ", ".join(k[:64] for k in unknown[:20]))
@@ -104,11 +110,13 @@ def read_request(b: Body, generate: bool = True) -> Parsed:
         if b.has(key):
             log.debug("anthropic: accepted %r without effect (%s)", key, why)
     _check_ignored_shapes(b)
+    reasoning = anthropic(b).over(defaults)
     tools = read_tools(b)
     msgs = history_messages(read_messages(b))  # checks the calls it was given, naming them
     if not generate:
         parse_tool_choice(_tool_choice(b, tools)[0], tools, "tool_choice")  # the same 400s as a create
-        return Parsed(msgs, tools, None)
+        GenerationRequest(template_kwargs=reasoning.template_kwargs)  # the same checks as a create
+        return Parsed(msgs, tools, None, reasoning)
     max_tokens = b.int("max_tokens", lo=1, hi=MAX_TOKENS_LIMIT)
     if max_tokens is None:
         raise BadRequestError("'max_tokens' is required")
@@ -121,7 +129,8 @@ def read_request(b: Body, generate: bool = True) -> Parsed:
         parse_tool_choice(choice, tools, "tool_choice")  # "any" or a named tool without tools: a 400
     stops = Body({"stop": _stop_sequences(b), "lookup": b.get("lookup")})
     # temperature, top_p, top_k and every llama-server sampler field, under their own names
-    return Parsed(msgs, tools, generation_request(stops, sampling_params(b), max_tokens, None, **extra))
+    request = generation_request(stops, sampling_params(b), max_tokens, None, **extra, **reasoning.request_fields())
+    return Parsed(msgs, tools, request, reasoning)
 
 
 def _check_ignored_shapes(b: Body) -> None:
@@ -131,14 +140,6 @@ def _check_ignored_shapes(b: Body) -> None:
         b.obj(key)
     b.str("service_tier")
     b.bool("stream", False)
-    if b.has("thinking"):
-        t = b.obj("thinking")
-        kind = t.str("type", required=True)
-        if kind not in THINKING_TYPES:
-            raise BadRequestError(f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}; got {_show(kind)}")
-        if kind == "enabled" and t.int("budget_tokens", lo=0, hi=MAX_TOKENS_LIMIT) is None:
-            raise BadRequestError("'thinking.budget_tokens' is required when 'thinking.type' is \"enabled\"")
-        t.str("display")
 
 
 def _stop_sequences(b: Body) -> list[str]:
@@ -329,10 +330,7 @@ def read_messages(b: Body) -> list[dict]:
     raw = b.list("messages", required=True, most=MAX_MESSAGES)
     if not raw:
         raise BadRequestError("'messages' must hold at least one message")
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequestError(f"'{where}' must be an object with role and content, got {_show(m)}")
+    for where, m in objects(raw, "messages", "an object with role and content"):
         role = m.get("role")
         if role not in ("user", "assistant", "system"):
             raise BadRequestError(f"'{where}.role' must be \"user\" or \"assistant\", got {_show(role)}")
@@ -399,12 +397,17 @@ def _text(block, at: str) -> str:
     return text
 
 
+def _blocks(blocks: list, where: str):
+    """A message's content blocks, each with where it stands (for errors) and its type."""
+    for j, block in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        yield block, at, _kind(block, at)
+
+
 def _user(blocks: list, where: str) -> list[dict]:
     """A user turn's blocks: a tool message per tool_result, then the text as one message."""
     results, texts = [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
-        kind = _kind(block, at)
+    for block, at, kind in _blocks(blocks, where):
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_result":
@@ -440,11 +443,9 @@ def _result_text(block, at: str) -> str:
 
 
 def _assistant(blocks: list, where: str) -> list[dict]:
-    """An assistant turn's blocks: its text and its tool calls, as one message."""
-    texts, calls = [], []
-    for j, block in enumerate(blocks):
-        at = f"{where}.content[{j}]"
-        kind = _kind(block, at)
+    """An assistant turn's blocks: its text, its tool calls and its thinking, as one message."""
+    texts, calls, thoughts = [], [], []
+    for block, at, kind in _blocks(blocks, where):
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_use":
@@ -457,14 +458,21 @@ def _assistant(blocks: list, where: str) -> list[dict]:
                 raise BadRequestError(f"'{at}.input' must be a JSON object, got {_show(arguments)}")
             _check_depth(arguments, f"{at}.input")
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # the client hands back earlier reasoning; these models produced none to read
+        elif kind == "thinking":
+            thought = block.get("thinking")
+            if not isinstance(thought, str):
+                raise BadRequestError(f"'{at}.thinking' must be a string, got {_show(thought)}")
+            thoughts.append(thought)  # its signature is ours or another model's: nothing to check
+        elif kind == "redacted_thinking":
+            continue  # sealed for the model that wrote it: no text to give this one
         else:
             raise BadRequestError(
                 f"'{at}': an assistant message holds text, tool_use and thinking blocks, not {_show(kind)}")
     msg = {"role": "assistant", "content": "\n\n".join(texts)}
     if calls:
         msg["tool_calls"] = calls
+    if any(thoughts):
+        msg["reasoning_content"] = "\n\n".join(t for t in thoughts if t)
     return [msg]
 
 
@@ -483,10 +491,11 @@ def _check_depth(value, at: str) -> None:
 
 
 async def _prompt(st, request: Request, b: Body, generate: bool):
-    parsed = await asyncio.to_thread(read_request, b, generate)
+    parsed = await asyncio.to_thread(read_request, b, generate, st.reasoning)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
     asked_for = b.str("model") or model.name
-    tokens = await asyncio.to_thread(chat_tokens, model.engine, parsed.messages, parsed.tools, asked_for)
+    tokens = await asyncio.to_thread(chat_tokens, model.engine, parsed.messages, parsed.tools, asked_for,
+                                     parsed.reasoning.template_kwargs)
     return parsed, model, asked_for, tokens
 
 

@@ -1,9 +1,12 @@
 """The Anthropic dialect's replies: a whole Message, or the Messages stream's SSE events,
-rendered from the engine's events (text pieces and tool-call deltas).
+rendered from the engine's events (thinking, text pieces and tool-call deltas).
 
     message_start                         the message, empty content, usage.input_tokens
-    content_block_start  {index, block}   a text block, or a tool_use block {id, name, input: {}}
-    content_block_delta  {index, delta}   text_delta {text} | input_json_delta {partial_json}
+    content_block_start  {index, block}   a thinking block {thinking: "", signature: ""}, a text
+                                          block, or a tool_use block {id, name, input: {}}
+    content_block_delta  {index, delta}   thinking_delta {thinking} | signature_delta {signature}
+                                          (once, just before a thinking block stops) |
+                                          text_delta {text} | input_json_delta {partial_json}
     content_block_stop   {index}
     message_delta        {delta: {stop_reason, stop_sequence}, usage}
     message_stop
@@ -11,8 +14,13 @@ rendered from the engine's events (text pieces and tool-call deltas).
     error                                 a failure after the stream began, Anthropic's error body
 
 Each is `event: NAME\\ndata: JSON\\n\\n`. A tool_use block's partial_json fragments join to
-its input's JSON text. Text comes only before calls (the call grammar ends the answer
-with its calls), so blocks never interleave.
+its input's JSON text. Thinking comes first, text only before calls (the call grammar
+ends the answer with its calls); a block of each kind opens when its kind of output
+starts, so a model that thinks again between calls gets a thinking block there.
+
+A thinking block's `signature` is opaque to clients, which hand it back with the block;
+here it is a digest of the thinking text (nothing to verify: the history's thinking
+only reaches the template), so a whole answer and a stream carry the same one.
 
 Usage follows Anthropic: `input_tokens` counts the prompt tokens read afresh, and
 `cache_read_input_tokens` those a previous request left in the KV cache. Which those are
@@ -23,6 +31,7 @@ from message_delta)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import uuid
@@ -98,9 +107,20 @@ def _tool_block(call) -> dict | None:
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": arguments}
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's signature (see the module docstring)."""
+    return hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def thinking_block(thinking: str) -> dict:
+    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
+
+
 def message_body(engine, res: Result, model: str, stops) -> dict:
-    """A non-streamed answer: a text block (left out when empty) then one tool_use block per call."""
-    content = [{"type": "text", "text": res.text}] if res.text else []
+    """A non-streamed answer: a thinking block, a text block (each left out when empty),
+    then one tool_use block per call."""
+    content = [thinking_block(res.reasoning)] if res.reasoning else []
+    content += [{"type": "text", "text": res.text}] if res.text else []
     content += [b for b in map(_tool_block, collect_calls(res.tool_calls)) if b is not None]
     stop_reason, stop_sequence = stop_fields(engine, res.finish_reason, res.tokens, stops)
     return {
@@ -153,8 +173,9 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "text" | "tool_use"
+        self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.calls: dict[int, int] = {}  # the engine's call index -> block index
+        self.thought: list[str] = []  # the open thinking block's text, for its signature
 
     def _start(self, kind: str, block: dict) -> list[bytes]:
         out = self.close()
@@ -169,8 +190,20 @@ class _Blocks:
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":
+            sig = signature("".join(self.thought))
+            out.append(self._delta(self.index, {"type": "signature_delta", "signature": sig}))
+            self.thought = []
         self.open = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return out + [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def thinking(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        out = self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""}) if self.open != "thinking" else []
+        self.thought.append(text)
+        return out + [self._delta(self.index, {"type": "thinking_delta", "thinking": text})]
 
     def text(self, text: str) -> list[bytes]:
         if not text:
@@ -203,6 +236,8 @@ async def message_events(model, job, name: str, prompt_tokens: int, stops) -> As
                 yield sse("ping", {"type": "ping"})
                 continue
             tail.extend(ev.tokens)
+            for chunk in blocks.thinking(ev.reasoning):
+                yield chunk
             for chunk in blocks.text(ev.text):
                 yield chunk
             for d in ev.tool_calls or ():

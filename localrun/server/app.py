@@ -51,7 +51,10 @@ def build_app(
     api_key: str | None = None,
     body_limit: int = 8 * 1024 * 1024,
     bound_host: str = "",
+    reasoning=None,
 ):
+    """`reasoning`: the server's default reasoning controls (a Reasoning, from
+    reasoning_options.reasoning_defaults); a request's own controls win."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async def reap_forever():
@@ -74,4 +77,6 @@ def build_app(
 
     app = Starlette(routes=[*anthropic_api.ROUTES, *responses_api.ROUTES, *openai_api.ROUTES, *ollama_api.ROUTES, *llama_api.ROUTES], lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.localrun = ServerState(manager, body_limit)
+    if reasoning is not None:
+        app.state.localrun.reasoning = reasoning
     return Guard(LeaseScope(app), loopback, origins, api_key, bound_host)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from ..errors import BadRequestError
+from ..errors import BadRequestError, client_integer
 from ..grammar.core import Grammar
 from ..request import MAX_CONTENT_PARTS, MAX_GRAMMAR_CHARS, MAX_MESSAGES, MAX_ROLE_CHARS, GenerationRequest
 from ..sampling import PARAMETER, PARAMETERS, SamplingParams
@@ -39,11 +39,17 @@ class Body:
         v = self.data.get(key)
         return default if v is None else v
 
-    def str(self, key: str, default: str | None = None, required: bool = False) -> str | None:
+    def _given(self, key: str, required: bool):
+        """The key's value, None when the body leaves it out (or sends null): a 400 when
+        it is `required`."""
         v = self.data.get(key)
+        if v is None and required:
+            raise BadRequestError(f"{self._name(key)} is required")
+        return v
+
+    def str(self, key: str, default: str | None = None, required: bool = False) -> str | None:
+        v = self._given(key, required)
         if v is None:
-            if required:
-                raise BadRequestError(f"{self._name(key)} is required")
             return default
         if not isinstance(v, str):
             raise BadRequestError(f"{self._name(key)} must be a string, got {_show(v)}")
@@ -53,15 +59,14 @@ class Body:
         v = self.data.get(key)
         if v is None:
             return default
-        if isinstance(v, float) and v.is_integer():
-            v = int(v)
-        if not isinstance(v, int) or isinstance(v, bool):
+        n = client_integer(v)
+        if n is None:
             raise BadRequestError(f"{self._name(key)} must be an integer, got {_show(v)}")
-        if lo is not None and v < lo:
-            raise BadRequestError(f"{self._name(key)} must be >= {lo}, got {v}")
-        if hi is not None and v > hi:
-            raise BadRequestError(f"{self._name(key)} must be <= {hi}, got {v}")
-        return v
+        if lo is not None and n < lo:
+            raise BadRequestError(f"{self._name(key)} must be >= {lo}, got {n}")
+        if hi is not None and n > hi:
+            raise BadRequestError(f"{self._name(key)} must be <= {hi}, got {n}")
+        return n
 
     def float(self, key: str, default: float | None = None) -> float | None:
         v = self.data.get(key)
@@ -99,16 +104,24 @@ class Body:
         return Body(v, f"{self.where}{key}.")
 
     def list(self, key: str, required: bool = False, most: int | None = None) -> list | None:
-        v = self.data.get(key)
+        v = self._given(key, required)
         if v is None:
-            if required:
-                raise BadRequestError(f"{self._name(key)} is required")
             return None
         if not isinstance(v, list):
             raise BadRequestError(f"{self._name(key)} must be a list, got {_show(v)}")
         if most is not None and len(v) > most:
             raise BadRequestError(f"{self._name(key)} may hold at most {most} items, got {len(v)}")
         return v
+
+
+def objects(items: list, where: str, what: str):
+    """Each item of a body's list with its place (`where[i]`, for errors), every one a JSON
+    object: any other item is a 400 saying it must be `what`."""
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise BadRequestError(f"'{at}' must be {what}, got {_show(item)}")
+        yield at, item
 
 
 def _show(v) -> str:
@@ -249,10 +262,7 @@ def messages(body: Body) -> list[dict]:
     if not raw:
         raise BadRequestError("'messages' must hold at least one message")
     out = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise BadRequestError(f"'{where}' must be an object with role and content, got {_show(m)}")
+    for where, m in objects(raw, "messages", "an object with role and content"):
         role = m.get("role")
         if not isinstance(role, str) or not role or len(role) > MAX_ROLE_CHARS:
             raise BadRequestError(
@@ -280,8 +290,28 @@ def messages(body: Body) -> list[dict]:
         msg = {"role": role, "content": content}
         # tool calls and results travel as given; localrun.tools.history_messages checks them
         msg.update({k: m[k] for k in _TOOL_KEYS if m.get(k) is not None})
+        thought = _history_reasoning(m, where) if role == "assistant" else ""
+        if thought:
+            msg["reasoning_content"] = thought
         out.append(msg)
     return out
 
 
 _TOOL_KEYS = ("tool_calls", "tool_call_id", "tool_name", "name")
+# an earlier answer's thinking, as clients hand it back: OpenAI-style (llama-server,
+# LM Studio) and Ollama's
+_REASONING_KEYS = ("reasoning_content", "thinking")
+
+
+def _history_reasoning(m: dict, where: str) -> str:
+    """An assistant message's earlier thinking, which reaches the template as the
+    message's `reasoning_content` (templates that show earlier thinking read it; most
+    drop it from past turns)."""
+    for key in _REASONING_KEYS:
+        v = m.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, str):
+            raise BadRequestError(f"'{where}.{key}' must be a string, got {_show(v)}")
+        return v
+    return ""

@@ -2,7 +2,11 @@
 /detokenize, /health, /props (with the template's tool capabilities), /slots, /metrics;
 its /v1/chat/completions, tools included, is the OpenAI dialect's route. Requests may
 name a `model`; without one they go to the server's first --model, as llama-server
-serves one model."""
+serves one model.
+
+/completion and /infill read a raw prompt and answer the raw text, thinking markup and
+all, as llama-server does there; llama-server's `reasoning_content` is on its
+/v1/chat/completions, the OpenAI dialect's route."""
 
 from __future__ import annotations
 
@@ -22,14 +26,16 @@ from ..request import (
     GenerationRequest,
 )
 from .fields import Body, generation_request, grammar_from, sampling_params
+from .reasoning import NO_REASONING, Reasoning
 from .fim import fim_tokens
 from .http import sse, stream
 from .runner import collect, events, logprob, submit
 from .state import check_text_fits, endpoint, json_response, state
 
 
-def build_request(b: Body) -> GenerationRequest:
-    """The body's GenerationRequest; compiles its grammar, so call it off the event loop."""
+def build_request(b: Body, reasoning: Reasoning = NO_REASONING) -> GenerationRequest:
+    """The body's GenerationRequest; compiles its grammar, so call it off the event loop.
+    `reasoning`: the route's controls (raw text on these routes)."""
     n_predict = b.int("n_predict", hi=MAX_TOKENS_LIMIT)
     if n_predict is None:
         n_predict = b.int("max_tokens", hi=MAX_TOKENS_LIMIT)
@@ -41,6 +47,7 @@ def build_request(b: Body) -> GenerationRequest:
         ignore_eos=b.bool("ignore_eos", False),
         t_max_predict_ms=b.float("t_max_predict_ms"),
         n_indent=b.int("n_indent", 0, lo=0),
+        **reasoning.request_fields(),
     )
 
 
@@ -171,7 +178,7 @@ async def completion(request: Request):
     b = await st.body(request)
     if b.get("prompt") is None:
         raise BadRequestError("'prompt' is required")
-    gen_request, run = await asyncio.to_thread(build_request, b), _read_run_fields(b)
+    gen_request, run = await asyncio.to_thread(build_request, b, st.reasoning.raw()), _read_run_fields(b)
     model = await st.manager.get(b.str("model"))
     tokens = await asyncio.to_thread(_prompt_tokens, model.engine, b.get("prompt"))
     return await _run(request, run, model, tokens, gen_request)
@@ -186,7 +193,7 @@ async def infill(request: Request):
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text", ""), str):
             raise BadRequestError(f"'input_extra[{i}]' must be an object with 'filename' and 'text' strings")
         extra.append((str(chunk.get("filename") or ""), chunk.get("text", "")))
-    gen_request, run = await asyncio.to_thread(build_request, b), _read_run_fields(b)
+    gen_request, run = await asyncio.to_thread(build_request, b, st.reasoning.raw()), _read_run_fields(b)
     model = await st.manager.get(b.str("model"))
     tokens = await asyncio.to_thread(fim_tokens, model.engine, prefix, suffix, extra, middle, name=model.name)
     return await _run(request, run, model, tokens, gen_request)
@@ -202,8 +209,7 @@ async def tokenize(request: Request):
     st = state(request)
     b = await st.body(request)
     content = b.str("content", required=True)
-    model = await st.manager.get(b.str("model"))
-    eng = model.engine
+    eng = (await st.manager.get(b.str("model"))).engine
     add_special, parse_special = b.bool("add_special", False), b.bool("parse_special", True)
     with_pieces = b.bool("with_pieces", False)
 
@@ -232,8 +238,7 @@ async def detokenize(request: Request):
     st = state(request)
     b = await st.body(request)
     ids = b.list("tokens", required=True)
-    model = await st.manager.get(b.str("model"))
-    eng = model.engine
+    eng = (await st.manager.get(b.str("model"))).engine
     n_vocab = eng.info.n_vocab
     if len(ids) > eng.n_ctx:
         raise BadRequestError(f"'tokens' holds {len(ids):,} ids; at most {eng.n_ctx:,} (the model's context length)")

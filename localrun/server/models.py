@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ..model.paths import model_path_kind
 from ..store import local as store
+from ..backends.base import BackendOptions
 from ..backends.remote import is_lost
 from ..prompt.chat_template import load_template_file
 from ..engine import Engine
@@ -234,7 +235,10 @@ class ModelManager:
         trust_remote_code: bool = False,
         chat_template: str | None = None,
         aliases: list[tuple[str, str]] | None = None,
+        cluster=None,
     ) -> None:
+        """cluster: the --rpc workers (localrun.cluster.rpc.Cluster) every GGUF is split over."""
+        self.cluster = cluster
         self.configured = {display_name(m): m for m in models}  # name -> path or store name
         # a --model may be named by its listed name or exactly as it was given
         self._configured_names = {**{m: display_name(m) for m in models}, **{d: d for d in self.configured}}
@@ -460,10 +464,12 @@ class ModelManager:
         threads = None if os.path.isdir(path) else self.threads
         context = self.context_for(path)
         log.info("%s: a context of %d tokens per request (%s)", display, context.n_ctx, context.why)
-        options = dict(n_ctx=context.n_ctx, n_seq=self.parallel, threads=threads, n_batch=self.n_batch,
-                       kv_cache_type=self.kv_cache_type)
+        cluster = None if os.path.isdir(path) else self.cluster  # MLX runs on one machine here
+        options = BackendOptions(n_ctx=context.n_ctx, n_seq=self.parallel, threads=threads, n_batch=self.n_batch,
+                                 kv_cache_type=self.kv_cache_type, cluster=cluster,
+                                 trust_remote_code=self.trust_remote_code)
         try:
-            engine = _open_engine(path, self.trust_remote_code, options, self.chat_template_file)
+            engine = _open_engine(path, options, self.chat_template_file)
         except (UnsupportedFormatError, ModelLoadError) as exc:
             # the detail may quote the file's first bytes or list a folder: the log keeps it
             log.warning("could not load %s (%s): %s", display, path, exc)
@@ -559,15 +565,13 @@ def _check_remote_code(path: str, trusted: bool) -> None:
     check_remote_code(path, trusted, "start the server with --trust-remote-code")
 
 
-def _open_engine(path: str, trust_remote_code: bool, options: dict, chat_template: str | None) -> Engine:
+def _open_engine(path: str, options: BackendOptions, chat_template: str | None) -> Engine:
     """`chat_template`: the --chat-template FILE, None for the model's own template.
     With --rpc workers a GGUF runs in a child process (backends/remote.py): a worker that
     dies then fails the answers in flight, not the server."""
-    from ..cluster import rpc
-
-    if rpc.active() is not None and not os.path.isdir(path):
+    if options.cluster is not None:
         from ..backends import open_backend
 
         template = load_template_file(chat_template) if chat_template is not None else None
-        return Engine(open_backend(path, isolated=True, **options), chat_template=template)
-    return Engine.open(path, chat_template=chat_template, trust_remote_code=trust_remote_code, **options)
+        return Engine(open_backend(path, options, isolated=True), chat_template=template)
+    return Engine.open(path, options, chat_template=chat_template)

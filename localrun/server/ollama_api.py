@@ -2,7 +2,13 @@
 raw, format, options, keep_alive), /api/tags, /api/show, /api/ps, /api/version,
 /api/embed. Streams are NDJSON (streaming is Ollama's default) ending in an object with
 `done: true` and Ollama's timing fields, in nanoseconds. A tool call comes whole, in a
-chunk of its own, its arguments an object."""
+chunk of its own, its arguments an object.
+
+Thinking comes apart from the answer: `message.thinking` (/api/chat) or `thinking`
+(/api/generate), streamed in chunks of its own. `think` (true, false, "low", "medium",
+"high") reaches the template as enable_thinking / reasoning_effort (reasoning.py); an
+assistant message's `thinking` in the history reaches it as `reasoning_content`. A raw
+or fill-in-the-middle generate answers the raw text."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from .fim import fim_tokens
 from .http import ndjson, stream
 from .keep_alive import parse_keep_alive
 from .openai_api import chat_tokens
+from .reasoning import NO_REASONING, Reasoning, ollama
 from .runner import collect, events, submit
 from .state import embed_inputs, endpoint, json_response, state
 
@@ -34,9 +41,10 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def build_request(b: Body, chat: bool = False) -> GenerationRequest:
-    """The body's GenerationRequest (with its tools for a chat); compiles its format and
-    the tools' schemas, so call it off the event loop."""
+def build_request(b: Body, chat: bool = False, reasoning: Reasoning = NO_REASONING) -> GenerationRequest:
+    """The body's GenerationRequest (with its tools for a chat, and `reasoning`, the
+    controls already merged with the server's); compiles its format and the tools'
+    schemas, so call it off the event loop."""
     tools = tool_fields(b, ("format",)) if chat else {}  # refused with a format before it compiles
     opts = b.obj("options")
     predict = opts.int("num_predict", hi=MAX_TOKENS_LIMIT)
@@ -51,7 +59,7 @@ def build_request(b: Body, chat: bool = False) -> GenerationRequest:
         grammar = schema_grammar(fmt, "format")
     else:
         raise BadRequestError(f"'format' must be \"json\" or a JSON schema object, got {fmt!r}")
-    return generation_request(opts, sampling_params(opts), max_tokens, grammar, **tools)
+    return generation_request(opts, sampling_params(opts), max_tokens, grammar, **tools, **reasoning.request_fields())
 
 
 def _final(t, load_ns: int, started: float) -> dict:
@@ -114,11 +122,17 @@ def whole_calls(calls, first_index: int = 0) -> list[dict]:
     return out
 
 
-def _chat_message(text: str, calls: list[dict] | None = None) -> dict:
+def chat_message(text: str, calls: list[dict] | None = None, thinking: str = "") -> dict:
     message = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
     if calls:
         message["tool_calls"] = calls
     return {"message": message}
+
+
+def generate_piece(text: str, calls=None, thinking: str = "") -> dict:
+    return {"response": text, "thinking": thinking} if thinking else {"response": text}
 
 
 async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
@@ -134,14 +148,16 @@ async def _load_only(st, b: Body, name: str, key: str, empty) -> JSONResponse:
 
 
 async def _answer(request: Request, model, job, streaming: bool, name: str, shape, load_ns: int, started: float, tokens):
-    """Stream (default) or one object; `shape(text, calls)` wraps a piece of output and
-    its whole tool calls (only a chat has tools)."""
+    """Stream (default) or one object; `shape(text, calls, thinking)` wraps a piece of
+    output, its whole tool calls (only a chat has tools) and its thinking."""
     if streaming:
 
         async def body():
             calls = WholeCalls()
             try:
                 async for ev in events(model, job):
+                    if ev.reasoning:  # in a chunk of its own, as Ollama sends it
+                        yield ndjson({"model": name, "created_at": _now(), **shape("", None, ev.reasoning), "done": False})
                     if ev.text:
                         yield ndjson({"model": name, "created_at": _now(), **shape(ev.text), "done": False})
                     done = calls.add(ev.tool_calls or ()) + (calls.finish() if ev.finish_reason else [])
@@ -159,7 +175,7 @@ async def _answer(request: Request, model, job, streaming: bool, name: str, shap
         return stream(request, body(), "application/x-ndjson", lambda: model.scheduler.cancel(job))
     res = await collect(request, model, job)
     calls = whole_calls(collect_calls(res.tool_calls))
-    out = {"model": name, "created_at": _now(), **shape(res.text, calls), "done": True,
+    out = {"model": name, "created_at": _now(), **shape(res.text, calls, res.reasoning), "done": True,
            "done_reason": _done_reason(res.finish_reason), **_final(res.timings, load_ns, started)}
     if tokens is not None:
         out["context"] = tokens + res.tokens
@@ -192,12 +208,13 @@ async def chat(request: Request):
         return await _load_only(st, b, name or "", "message", {"role": "assistant", "content": ""})
     # reads every call's arguments: off the loop, and a malformed one is a 400 before any model loads
     msgs = await asyncio.to_thread(history_messages, messages(b))
-    gen_request = await asyncio.to_thread(build_request, b, True)
+    gen_request = await asyncio.to_thread(build_request, b, True, ollama(b).over(st.reasoning))
     streaming = b.bool("stream", True)
     name, model, load_ns = await _model(st, b)
-    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, name)
+    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, name,
+                                     gen_request.template_kwargs)
     job = await submit(model, tokens, gen_request)
-    return await _answer(request, model, job, streaming, name, _chat_message, load_ns, started, None)
+    return await _answer(request, model, job, streaming, name, chat_message, load_ns, started, None)
 
 
 async def generate(request: Request):
@@ -209,11 +226,13 @@ async def generate(request: Request):
         raise BadRequestError("'images': this server reads text only")
     if not prompt and not suffix:
         return await _load_only(st, b, b.str("model") or b.str("name") or "", "response", "")
-    gen_request = await asyncio.to_thread(build_request, b)
+    streaming, raw = b.bool("stream", True), b.bool("raw", False)
+    # a raw or fill-in-the-middle prompt skips the template: its answer is the raw text
+    reasoning = st.reasoning.raw() if raw or suffix is not None else ollama(b).over(st.reasoning)
+    gen_request = await asyncio.to_thread(build_request, b, False, reasoning)
     context = b.list("context", most=MAX_PROMPT_TOKENS) or []
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise BadRequestError("'context' must be a list of token ids")
-    streaming, raw = b.bool("stream", True), b.bool("raw", False)
     name, model, load_ns = await _model(st, b)
     eng = model.engine
     if suffix is not None:
@@ -222,10 +241,9 @@ async def generate(request: Request):
         tokens = context + await asyncio.to_thread(eng.tokenize, prompt, not context)
     else:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        tokens = context + await asyncio.to_thread(eng.chat_prompt, msgs)
+        tokens = context + await asyncio.to_thread(eng.chat_prompt, msgs, template_kwargs=gen_request.template_kwargs)
     job = await submit(model, tokens, gen_request)
-    return await _answer(request, model, job, streaming, name, lambda text, calls=None: {"response": text},
-                         load_ns, started, tokens)
+    return await _answer(request, model, job, streaming, name, generate_piece, load_ns, started, tokens)
 
 
 async def tags(request: Request):

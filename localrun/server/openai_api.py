@@ -7,7 +7,15 @@ are these same routes.
 Tool calls are the engine's events reshaped: streamed, `delta.tool_calls` entries (a
 call's first names it, later ones carry argument fragments); whole, `message.tool_calls`
 with arguments as JSON text and `content: null` when the answer is only calls;
-`finish_reason: "tool_calls"` either way."""
+`finish_reason: "tool_calls"` either way.
+
+Reasoning ("thinking") is llama-server's `reasoning_content`, apart from `content`:
+streamed as `delta.reasoning_content`, whole as `message.reasoning_content` (absent when
+the model did not think), counted in `usage.completion_tokens_details.reasoning_tokens`.
+The controls (reasoning_effort, chat_template_kwargs, reasoning_format,
+thinking_budget_tokens / reasoning_budget) are read by reasoning.py. /v1/completions
+takes a raw prompt and answers the raw text, thinking markup and all.
+An assistant message's `reasoning_content` in the history reaches the template."""
 
 from __future__ import annotations
 
@@ -26,9 +34,10 @@ from ..errors import BadRequestError
 from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, GenerationRequest
 from ..tools import ToolsUnsupportedError, collect_calls, history_messages
 from .fields import Body, generation_request, grammar_from, messages, sampling_params, tool_fields
+from .reasoning import NO_REASONING, Reasoning, openai_chat
 from .fim import fim_tokens
 from .http import sse, stream
-from .runner import Result, collect, events, logprob, submit
+from .runner import Result, collect, events, logprob, reasoning_tokens, submit
 from .state import embed_inputs, endpoint, json_response, state
 
 
@@ -36,24 +45,29 @@ from .state import embed_inputs, endpoint, json_response, state
 CONSTRAINT_FIELDS = ("grammar", "json_schema", "response_format")
 
 
-def build_request(b: Body, n_probs: int, chat: bool = False) -> GenerationRequest:
-    """The body's GenerationRequest (with its tools for a chat); compiles its grammar and
-    the tools' schemas, so call it off the event loop."""
+def build_request(b: Body, n_probs: int, chat: bool = False, reasoning: Reasoning = NO_REASONING) -> GenerationRequest:
+    """The body's GenerationRequest (with its tools and reasoning controls for a chat,
+    over `reasoning`, the route's defaults); compiles its grammar and the tools' schemas,
+    so call it off the event loop."""
     if b.int("n", 1) != 1:
         raise BadRequestError("'n' must be 1: this server returns one choice per request")
     max_tokens = b.int("max_completion_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
     if max_tokens is None:
         max_tokens = b.int("max_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
     tools = tool_fields(b, CONSTRAINT_FIELDS) if chat else {}  # refused with a grammar before it compiles
-    return generation_request(b, sampling_params(b, n_probs=n_probs), max_tokens, grammar_from(b), **tools)
+    if chat:
+        reasoning = openai_chat(b).over(reasoning)
+    return generation_request(b, sampling_params(b, n_probs=n_probs), max_tokens, grammar_from(b), **tools,
+                              **reasoning.request_fields())
 
 
-def _usage(t) -> dict:
+def _usage(t, reasoning_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": t.prompt_tokens,
         "completion_tokens": t.generated_tokens,
         "total_tokens": t.prompt_tokens + t.generated_tokens,
         "prompt_tokens_details": {"cached_tokens": t.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     }
 
 
@@ -77,21 +91,37 @@ def _call_deltas(deltas) -> list[dict]:
     return out
 
 
-def _message(text: str, calls) -> dict:
-    """A non-streamed answer's message: content null when the answer is only calls."""
-    if not calls:
-        return {"role": "assistant", "content": text}
-    return {"role": "assistant", "content": text or None, "tool_calls": [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
-    ]}
+def chat_delta(reasoning: str, text: str, with_logprobs: bool) -> dict | None:
+    """One streamed event's `delta` (None when it has nothing to say): its thinking as
+    `reasoning_content`, its answer text as `content`. An event's logprobs need a chunk
+    even when the token wrote nothing (a marker)."""
+    delta = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if text or (with_logprobs and not reasoning):
+        delta["content"] = text
+    return delta or None
 
 
-def chat_tokens(engine, msgs: list[dict], tools, name: str) -> list[int]:
-    """The chat prompt, with the tools rendered by the model's own template; a template
-    without tool support gets Ollama's 400, whose text clients match: "<model> does not
-    support tools"."""
+def message(text: str, calls, reasoning: str = "") -> dict:
+    """A non-streamed answer's message: content null when the answer is only calls, and
+    the thinking as `reasoning_content` when there was some."""
+    msg: dict = {"role": "assistant", "content": text if not calls else text or None}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ]
+    return msg
+
+
+def chat_tokens(engine, msgs: list[dict], tools, name: str, template_kwargs: dict | None = None) -> list[int]:
+    """The chat prompt, with the tools rendered by the model's own template and
+    `template_kwargs` (enable_thinking, ...) given to it; a template without tool support
+    gets Ollama's 400, whose text clients match: "<model> does not support tools"."""
     try:
-        return engine.chat_prompt(msgs, tools=tools)
+        return engine.chat_prompt(msgs, tools=tools, template_kwargs=template_kwargs)
     except ToolsUnsupportedError as exc:
         raise BadRequestError(exc.for_model(name)) from None
 
@@ -134,13 +164,14 @@ async def chat_completions(request: Request):
     b = await st.body(request)
     want_lp = b.bool("logprobs", False)
     n_top = b.int("top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS) if want_lp else 0
-    gen_request = await asyncio.to_thread(build_request, b, max(n_top, 1) if want_lp else 0, True)
+    gen_request = await asyncio.to_thread(build_request, b, max(n_top, 1) if want_lp else 0, True, st.reasoning)
     # reads every call's arguments: off the loop, and a malformed one is a 400 before any model loads
     msgs = await asyncio.to_thread(history_messages, messages(b))
     streaming, include_usage = b.bool("stream", False), b.obj("stream_options").bool("include_usage", False)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
     asked_for = b.str("model") or model.name  # Ollama's "does not support tools" names the model as asked
-    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, asked_for)
+    tokens = await asyncio.to_thread(chat_tokens, model.engine, msgs, gen_request.tools, asked_for,
+                                     gen_request.template_kwargs)
     job = await submit(model, tokens, gen_request)
     cid, created, name = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model.name
     eng = model.engine
@@ -153,18 +184,21 @@ async def chat_completions(request: Request):
 
         async def body():
             yield sse(chunk({"role": "assistant", "content": ""}))
+            thought = 0  # tokens of thinking, for the usage chunk
             try:
                 async for ev in events(model, job):
+                    thought += reasoning_tokens(ev)
                     lp = _chat_logprobs(eng, ev.tokens, ev.token_probs or [], ev.top_probs or [], n_top) if want_lp else None
-                    if ev.text or lp:
-                        yield sse(chunk({"content": ev.text}, lp=lp))
+                    delta = chat_delta(ev.reasoning, ev.text, lp is not None)
+                    if delta is not None:
+                        yield sse(chunk(delta, lp=lp))
                     for delta in _call_deltas(ev.tool_calls or ()):
                         yield sse(chunk(delta))
                     if ev.finish_reason:
                         yield sse(chunk({}, _finish(ev.finish_reason)))
                         if include_usage:
                             usage = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                     "model": name, "choices": [], "usage": _usage(ev.timings)}
+                                     "model": name, "choices": [], "usage": _usage(ev.timings, thought)}
                             yield sse(usage)
             except Exception as exc:  # the stream has begun: report in-band
                 yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
@@ -176,12 +210,13 @@ async def chat_completions(request: Request):
     def answer() -> dict:  # logprobs grow with the answer: built and encoded off the loop
         choice = {
             "index": 0,
-            "message": _message(res.text, collect_calls(res.tool_calls)),
+            "message": message(res.text, collect_calls(res.tool_calls), res.reasoning),
             "logprobs": _chat_logprobs(eng, res.tokens, res.token_probs, res.top_probs, n_top) if want_lp else None,
             "finish_reason": _finish(res.finish_reason),
         }
         return {"id": cid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [choice], "usage": _usage(res.timings), "timings": _llama_timings(res.timings)}
+                "choices": [choice], "usage": _usage(res.timings, res.reasoning_tokens),
+                "timings": _llama_timings(res.timings)}
 
     return await json_response(answer)
 
@@ -190,7 +225,8 @@ async def completions(request: Request):
     st = state(request)
     b = await st.body(request)
     n_top = b.int("logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
-    gen_request = await asyncio.to_thread(build_request, b, n_top)
+    # a raw prompt: the answer is the raw text, thinking markup and all
+    gen_request = await asyncio.to_thread(build_request, b, n_top, False, st.reasoning.raw())
     if b.bool("echo", False):
         raise BadRequestError("'echo' is not supported; send echo: false")
     prompt = b.get("prompt")

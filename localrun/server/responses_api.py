@@ -16,7 +16,12 @@ events as output items.
 - The server is stateless: `store` is accepted and nothing is stored;
   `previous_response_id`, `conversation`, `background` and `item_reference` are 400s.
 - Unknown top-level fields are accepted and logged at debug level, as OpenAI's own
-  clients send fields newer than any server."""
+  clients send fields newer than any server.
+- Thinking comes as a `reasoning` output item ahead of the answer (its text in
+  `content: [{type: "reasoning_text"}]`, `summary: []`), streamed as
+  `response.reasoning_text.delta`; `reasoning.effort` reaches the template
+  (reasoning.py), and input `reasoning` items with text reach it as the next assistant
+  turn's `reasoning_content`."""
 
 from __future__ import annotations
 
@@ -37,8 +42,9 @@ from ..tools import MAX_DESCRIPTION_CHARS, MAX_TOOLS, parse_tool_choice, parse_t
 from .fields import SAMPLING_FIELDS, Body, _show, generation_request, sampling_params, schema_grammar
 from .http import stream, until_done_or_disconnect
 from .openai_api import chat_tokens
+from .reasoning import NO_REASONING, Reasoning, responses
 from .responses_items import Reply, ToolNames, flat_name, new_id, read_input, sse_event
-from .runner import events, submit
+from .runner import events, reasoning_tokens, submit
 from .state import endpoint, state
 
 log = logging.getLogger("localrun.server")
@@ -69,9 +75,9 @@ class Parsed:
         self.echo: dict = {}  # the request's fields the response object repeats
 
 
-def read_request(b: Body) -> Parsed:
+def read_request(b: Body, defaults: Reasoning = NO_REASONING) -> Parsed:
     """Everything a request asks, checked and bounded; compiles schemas and grammars, so
-    it runs off the event loop."""
+    it runs off the event loop. `defaults`: the server's reasoning controls."""
     _refuse_state(b)
     for key in b.data:
         if key not in KNOWN_FIELDS and key not in _SAMPLING_KEYS:
@@ -103,7 +109,9 @@ def read_request(b: Body) -> Parsed:
             format_grammar = None
     max_tokens = b.int("max_output_tokens", lo=0, hi=MAX_TOKENS_LIMIT)
     extra = {"tools": run_tools, "tool_choice": parsed_choice, "parallel_tool_calls": parallel} if run_tools else {}
-    p.request = generation_request(b, sampling_params(b), max_tokens, format_grammar, **extra)
+    reasoning = responses(b).over(defaults)
+    p.request = generation_request(b, sampling_params(b), max_tokens, format_grammar, **extra,
+                                   **reasoning.request_fields())
     p.echo = _echo(b, parallel)
     return p
 
@@ -131,8 +139,6 @@ def _refuse_state(b: Body) -> None:
         raise BadRequestError(f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
     for key in ("prompt_cache_key", "user", "safety_identifier", "service_tier", "truncation"):
         b.str(key)
-    reasoning = b.obj("reasoning")
-    reasoning.str("effort"), reasoning.str("summary")  # accepted: these models do not reason apart
 
 
 def _echo(b: Body, parallel: bool) -> dict:
@@ -310,19 +316,19 @@ def prompt_tokens(engine, p: Parsed, name: str) -> list[int]:
     """The prompt; a template that refuses a system message after the first gets them all
     joined at the head."""
     try:
-        return chat_tokens(engine, p.messages, p.prompt_tools, name)
+        return chat_tokens(engine, p.messages, p.prompt_tools, name, p.request.template_kwargs)
     except BadRequestError as exc:
         if p.merged is None or not isinstance(exc.__cause__, TemplateRefusal):
             raise
-    return chat_tokens(engine, p.merged, p.prompt_tools, name)
+    return chat_tokens(engine, p.merged, p.prompt_tools, name, p.request.template_kwargs)
 
 
-def _usage(t) -> dict:
+def _usage(t, thought: int) -> dict:
     return {
         "input_tokens": t.prompt_tokens,
         "input_tokens_details": {"cached_tokens": t.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": t.generated_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": thought},
         "total_tokens": t.prompt_tokens + t.generated_tokens,
     }
 
@@ -330,7 +336,7 @@ def _usage(t) -> dict:
 async def create_response(request: Request):
     st = state(request)
     b = await st.body(request)
-    p = await asyncio.to_thread(read_request, b)
+    p = await asyncio.to_thread(read_request, b, st.reasoning)
     streaming = b.bool("stream", False)
     model = await st.manager.get(b.str("model"), b.get("keep_alive"))
     asked_for = b.str("model") or model.name
@@ -341,18 +347,21 @@ async def create_response(request: Request):
         raise ContextExceededError(f"'input' is too long for this model: {exc}") from None
     head = {"id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": model.name, **p.echo}
     reply = Reply(p.names, head)
+    thought = 0  # tokens of thinking, for the usage
 
     if streaming:
 
         async def body():
             for ev in reply.start():
                 yield sse_event(ev)
+            nonlocal thought
             try:
                 async for ev in events(model, job):
-                    for out in reply.feed(ev.text, ev.tool_calls):
+                    thought += reasoning_tokens(ev)
+                    for out in reply.feed(ev.text, ev.tool_calls, ev.reasoning):
                         yield sse_event(out)
                     if ev.finish_reason:
-                        for out in reply.finish(ev.finish_reason, _usage(ev.timings)):
+                        for out in reply.finish(ev.finish_reason, _usage(ev.timings, thought)):
                             yield sse_event(out)
                         return
             except Exception as exc:  # the stream has begun: report in-band, in the response's shape
@@ -362,10 +371,12 @@ async def create_response(request: Request):
         return stream(request, body(), "text/event-stream", lambda: model.scheduler.cancel(job))
 
     async def gather() -> dict:
+        nonlocal thought
         async for ev in events(model, job):
-            reply.feed(ev.text, ev.tool_calls)
+            thought += reasoning_tokens(ev)
+            reply.feed(ev.text, ev.tool_calls, ev.reasoning)
             if ev.finish_reason:
-                return reply.finish(ev.finish_reason, _usage(ev.timings))[-1]["response"]
+                return reply.finish(ev.finish_reason, _usage(ev.timings, thought))[-1]["response"]
         raise RuntimeError("the generation ended without a last event")
 
     final = await until_done_or_disconnect(request, gather(), lambda: model.scheduler.cancel(job))

@@ -3,13 +3,18 @@ engine's events rendered as output items and the stream's events.
 
 Input: messages (text parts only: images and files are a 400), `function_call` and
 `custom_tool_call` (consecutive calls are one assistant turn with its text), their
-outputs (tool messages), `reasoning` items (dropped: another model's sealed reasoning),
-and items of hosted tools this server never runs (dropped, logged). Each error names the
+outputs (tool messages), `reasoning` items (their `reasoning_text` becomes the next
+assistant turn's `reasoning_content`, for the template to show or drop; a summary or
+`encrypted_content` is another model's and is dropped), and items of hosted tools this
+server never runs (dropped, logged). Each error names the
 field: `'input[3].content[0].text' must be a string`.
 
 Output, as OpenAI streams it (each event with a rising `sequence_number`):
 
     response.created, response.in_progress
+    thinking: response.output_item.added (reasoning), response.content_part.added
+            (reasoning_text), response.reasoning_text.delta..., response.reasoning_text.done,
+            response.content_part.done, response.output_item.done
     text:   response.output_item.added (message), response.content_part.added,
             response.output_text.delta..., response.output_text.done,
             response.content_part.done, response.output_item.done
@@ -38,8 +43,8 @@ import secrets
 from ..errors import BadRequestError
 from ..request import MAX_CONTENT_PARTS, MAX_MESSAGES
 from ..tools import ToolCallDelta
-from ..tools.history import MAX_CALLS_PER_MESSAGE as MAX_CALLS_PER_TURN
-from .fields import Body, _show
+from ..tools.history import MAX_CALLS_PER_MESSAGE as MAX_CALLS_PER_TURN, arguments_json
+from .fields import Body, _show, objects
 
 log = logging.getLogger("localrun.server")
 
@@ -93,8 +98,16 @@ def read_input(b: Body) -> tuple[list[dict], list[dict] | None]:
     else:
         raise BadRequestError(f"'input' must be a string or a list of items, got {_show(raw)}")
     msgs: list[dict] = []
+    thought = ""  # a reasoning item's text, waiting for the assistant turn it preceded
     for i, item in enumerate(raw):
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            thought += _reasoning_text(Body(item, f"input[{i}]."), f"input[{i}]")
+            continue
         _item(item, f"input[{i}]", msgs)
+        if thought and _is_assistant_item(item):  # _item put it in msgs[-1], alone or with the turn's calls
+            earlier = msgs[-1].get("reasoning_content")
+            msgs[-1]["reasoning_content"] = f"{earlier}\n\n{thought}" if earlier else thought
+        thought = ""  # thinking belongs to the assistant item right after it, or to none
     while msgs and msgs[0]["role"] == "system":  # the head's system messages join the instructions
         head.append(msgs.pop(0)["content"])
     lead = [{"role": "system", "content": "\n\n".join(head)}] if head else []
@@ -139,8 +152,6 @@ def _item(item, at: str, msgs: list[dict]) -> None:
     elif kind in ("function_call_output", "custom_tool_call_output"):
         msgs.append({"role": "tool", "tool_call_id": _short(it, "call_id", at),
                      "content": _text(it, "output", at, tool_output=True)})
-    elif kind == "reasoning":
-        return  # dropped, encrypted_content and all: another model's reasoning, sealed for it
     elif kind == "item_reference":
         raise BadRequestError(f"'{at}': this server is stateless and stores no items; send the item itself")
     elif kind in HOSTED_ITEMS:
@@ -150,6 +161,23 @@ def _item(item, at: str, msgs: list[dict]) -> None:
             f"'{at}.type' {_show(kind)} is not an input item this server reads (message, function_call, "
             "function_call_output, custom_tool_call, custom_tool_call_output, reasoning)"
         )
+
+
+def _is_assistant_item(item: dict) -> bool:
+    kind = item.get("type", "message" if "role" in item else None)
+    return kind in ("function_call", "custom_tool_call") or (kind == "message" and item.get("role") == "assistant")
+
+
+def _reasoning_text(it: Body, at: str) -> str:
+    """A reasoning item's own text (its `reasoning_text` parts); a summary or sealed
+    `encrypted_content` says nothing this model wrote."""
+    texts = []
+    for j, part in enumerate(it.list("content", most=MAX_CONTENT_PARTS) or []):
+        where = f"{at}.content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text":
+            raise BadRequestError(f"'{where}' must be a reasoning_text part, got {_show(part)}")
+        texts.append(Body(part, f"{where}.").str("text", required=True))
+    return "".join(texts)
 
 
 def _short(it: Body, key: str, at: str) -> str:
@@ -168,10 +196,7 @@ def _text(it: Body, key: str, at: str, tool_output: bool = False) -> str:
         return v
     parts = it.list(key, most=MAX_CONTENT_PARTS)
     texts = []
-    for j, part in enumerate(parts):
-        where = f"{at}.{key}[{j}]"
-        if not isinstance(part, dict):
-            raise BadRequestError(f"'{where}' must be a content part object, got {_show(part)}")
+    for where, part in objects(parts, f"{at}.{key}", "a content part object"):
         kind = part.get("type")
         if kind in NOT_TEXT_PARTS and tool_output:
             texts.append(NOT_READ.format(kind=kind))
@@ -188,14 +213,7 @@ def _text(it: Body, key: str, at: str, tool_output: bool = False) -> str:
 
 
 def _arguments(text: str, at: str) -> dict:
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadRequestError(f"'{at}' is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
-    except RecursionError:
-        raise BadRequestError(f"'{at}' nests too deeply") from None
+    value = arguments_json(text, at)
     if not isinstance(value, dict):
         raise BadRequestError(f"'{at}' must be the JSON text of an object, got {_show(value)}")
     return value
@@ -319,8 +337,10 @@ class Reply:
 
     # -- engine events ---------------------------------------------------------------
 
-    def feed(self, text: str, deltas: list[ToolCallDelta] | None) -> list[dict]:
+    def feed(self, text: str, deltas: list[ToolCallDelta] | None, reasoning: str = "") -> list[dict]:
         out: list[dict] = []
+        if reasoning:
+            out += self._reasoning(reasoning)
         if text:
             out += self._text(text)
         for d in deltas or ():
@@ -345,6 +365,27 @@ class Reply:
         out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=index,
                               content_index=0, delta=text, logprobs=[]))
         return out
+
+    def _reasoning(self, text: str) -> list[dict]:
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out = self._close("completed") + self._open_reasoning()
+        index = len(self.output) - 1
+        self.open["content"][0]["text"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=index,
+                              content_index=0, delta=text))
+        return out
+
+    def _open_reasoning(self) -> list[dict]:
+        item = {"type": "reasoning", "id": new_id("rs"), "status": "in_progress", "summary": [], "content": []}
+        self.output.append(item)
+        self.open = item
+        index = len(self.output) - 1
+        part = {"type": "reasoning_text", "text": ""}
+        item["content"].append(part)
+        return [self.event("response.output_item.added", output_index=index, item={**item, "content": []}),
+                self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                           content_index=0, part=dict(part))]
 
     def _open_message(self) -> list[dict]:
         item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant", "content": []}
@@ -402,6 +443,12 @@ class Reply:
                                   content_index=0, text=part["text"], logprobs=[]))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=dict(part)))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=dict(part)))
         elif item["type"] == "function_call":
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"], name=item["name"]))
@@ -418,7 +465,10 @@ class Reply:
         ran into max_output_tokens, response.incomplete."""
         truncated = finish_reason == "length"
         out: list[dict] = []
-        if not self.output:  # an answer with no call is a message, even an empty or all-whitespace one
+        if all(item["type"] == "reasoning" for item in self.output):
+            # an answer with no call is a message, even an empty or all-whitespace one (or
+            # none at all: thinking that ran into max_output_tokens)
+            out += self._close("incomplete" if truncated else "completed")
             out += self._open_message()
             self.open["content"][0]["text"] = self.held
             if self.held:

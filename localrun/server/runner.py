@@ -28,7 +28,7 @@ async def submit(model: Loaded, tokens: list[int], request: GenerationRequest) -
 
     def ready() -> GenerationRequest:
         model.engine.check_prompt(tokens)
-        return prepare(model.engine, request)
+        return prepare(model.engine, request, tokens)
 
     request = await asyncio.to_thread(ready)
     indent = IndentLimit(request.n_indent) if request.n_indent else None
@@ -61,6 +61,15 @@ class Result:
     top_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     token_probs: list[float] = field(default_factory=list)
     tool_calls: list = field(default_factory=list)  # ToolCallDelta, in order (localrun.tools.collect_calls joins them)
+    reasoning: str = ""  # the thinking, apart from the answer's text
+    reasoning_tokens: int = 0
+
+
+def reasoning_tokens(ev: Event) -> int:
+    """The tokens of `ev` that were thinking: all of them when it carries reasoning and no
+    answer text (an event that crosses from thinking to the answer counts as answer: the
+    usage's reasoning_tokens may be a token short, never long)."""
+    return len(ev.tokens) if ev.reasoning and not ev.text else 0
 
 
 async def collect(request: Request, model: Loaded, job: Job) -> Result:
@@ -68,9 +77,11 @@ async def collect(request: Request, model: Loaded, job: Job) -> Result:
 
     async def gather() -> Result:
         out = Result()
-        parts = []
+        parts, thoughts = [], []
         async for ev in events(model, job):
             parts.append(ev.text)
+            thoughts.append(ev.reasoning)
+            out.reasoning_tokens += reasoning_tokens(ev)
             out.tokens.extend(ev.tokens)
             out.top_probs.extend(ev.top_probs or [])
             out.token_probs.extend(ev.token_probs or [])
@@ -79,6 +90,7 @@ async def collect(request: Request, model: Loaded, job: Job) -> Result:
                 out.finish_reason = ev.finish_reason
                 out.timings = ev.timings or out.timings
         out.text = "".join(parts)
+        out.reasoning = "".join(thoughts)
         return out
 
     return await until_done_or_disconnect(request, gather(), lambda: model.scheduler.cancel(job))

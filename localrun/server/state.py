@@ -20,6 +20,7 @@ from ..errors import BadRequestError, LocalrunError
 from .fields import Body
 from .http import ClientDisconnected, error_response, read_json
 from .models import Loaded, ModelManager
+from .reasoning import NO_REASONING, Reasoning
 
 log = logging.getLogger("localrun.server")
 
@@ -30,6 +31,7 @@ class ServerState:
     body_limit: int = 8 * 1024 * 1024
     started: float = field(default_factory=time.time)
     version: str = __version__
+    reasoning: Reasoning = NO_REASONING  # serve's --reasoning-budget / --reasoning-format
 
     async def body(self, request: Request) -> Body:
         return Body(await read_json(request, self.body_limit))

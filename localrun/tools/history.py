@@ -22,9 +22,7 @@ print. Normalising a normalised history changes nothing.
 
 from __future__ import annotations
 
-import json
-
-from ..errors import BadRequestError
+from ..errors import BadRequestError, parse_client_json
 
 MAX_CALLS_PER_MESSAGE = 128  # as many calls as a request may declare tools (MAX_TOOLS)
 MAX_HISTORY_NAME_CHARS = 256  # names in history come from elsewhere; only the template reads them
@@ -82,21 +80,22 @@ def _call(call, at: str, names_by_id: dict[str, str]) -> dict:
     return out
 
 
+def arguments_json(text: str, at: str):
+    """The JSON value of a call's arguments text ({} for none), a client's mistake in it
+    named by `at`, the field it came in."""
+    if not text.strip():
+        return {}
+    return parse_client_json(
+        text, lambda exc: f"'{at}' is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+        f"'{at}' nests too deeply")
+
+
 def _arguments(value, at: str):
     """The arguments as an object: OpenAI sends JSON text, Ollama an object."""
     if value is None:
         return {}
     if isinstance(value, str):
-        if not value.strip():
-            return {}
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise BadRequestError(
-                f"'{at}' is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-            ) from None
-        except RecursionError:
-            raise BadRequestError(f"'{at}' nests too deeply") from None
+        value = arguments_json(value, at)
     if not isinstance(value, dict):
         raise BadRequestError(f"'{at}' must be a JSON object (or its text), got {type(value).__name__}")
     return value

@@ -21,46 +21,11 @@ the engine reports it with `feed_marker`.
 from __future__ import annotations
 
 import json
-import secrets
-from dataclasses import dataclass
 
-from .formats import BARE_FENCE, ToolFormat
+from .calls import ToolCall, ToolCallDelta, collect_calls, new_call_id
+from .formats.json_calls import BARE_FENCE, ToolFormat
 
-
-@dataclass
-class ToolCallDelta:
-    index: int  # which call of the answer (0-based)
-    id: str | None = None  # on a call's first delta only: "call_" + 24 hex digits
-    name: str | None = None  # on a call's first delta only
-    arguments: str = ""  # the next fragment of the arguments' JSON text
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text of an object
-
-    def arguments_obj(self):
-        return json.loads(self.arguments)
-
-
-def collect_calls(deltas) -> list[ToolCall]:
-    """Whole calls from a stream's deltas (a non-streamed answer's `tool_calls`)."""
-    ids: dict[int, str] = {}
-    names: dict[int, str] = {}
-    args: dict[int, list[str]] = {}
-    for d in deltas:
-        if d.id is not None:
-            ids[d.index] = d.id
-        if d.name is not None:
-            names[d.index] = d.name
-        args.setdefault(d.index, []).append(d.arguments)
-    return [ToolCall(ids.get(i, ""), names.get(i, ""), "".join(args[i])) for i in sorted(args)]
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+__all__ = ["CallStream", "ToolCall", "ToolCallDelta", "collect_calls", "new_call_id"]
 
 
 _WS = " \t\r\n"
@@ -112,9 +77,14 @@ class _Value:
 class CallStream:
     """One answer's parser (see the module docstring)."""
 
-    def __init__(self, fmt: ToolFormat, trigger_is_token: bool = False, new_id=new_call_id) -> None:
+    def __init__(self, fmt: ToolFormat, trigger_is_token: bool = False, new_id=new_call_id,
+                 control: frozenset[str] = frozenset()) -> None:
         self.fmt = fmt
-        self.trigger_is_token = trigger_is_token
+        self.trigger_is_token = trigger_is_token or fmt.trigger in control
+        # what ends content: (text, kind); "calls": markup follows, "inline": a call object opens
+        # with this very text. A marker that is a control token comes through feed_marker.
+        self._triggers = [(t, kind) for t, kind in ((fmt.trigger, "calls"), (fmt.tag, "calls"), (fmt.inline, "inline"))
+                          if t and not (kind == "calls" and (t in control or (t == fmt.trigger and self.trigger_is_token)))]
         self._new_id = new_id
         # "start": formats with bare calls, until the answer's opening is known;
         # "text": content (looking for the trigger); "plain": content for good;
@@ -145,7 +115,8 @@ class CallStream:
                 content.append(text[i:])
                 break
             if self.state == "text":
-                shown, i = self._scan_text(text, i)
+                shown, text = self._scan_text(text[i:])
+                i = 0
                 content.append(shown)
                 continue
             if self.state == "start":
@@ -162,7 +133,7 @@ class CallStream:
 
     def feed_marker(self, marker: str) -> tuple[str, list[ToolCallDelta]]:
         """A marker produced as a control token (it has no text of its own)."""
-        if self.state in ("text", "start") and marker == self.fmt.trigger:
+        if self.state in ("text", "start") and marker in (self.fmt.trigger, self.fmt.tag):
             held, self._held = self._held, ""
             self.state = "between"
             return held, []
@@ -196,26 +167,25 @@ class CallStream:
         elif rest[0] == "{":
             self._held, self.state = "", "between"
             return rest
-        self._held, self.state = "", "text" if self.fmt.trigger else "plain"
+        self._held, self.state = "", "text" if (self.fmt.trigger or self.fmt.tag or self.fmt.inline) else "plain"
         return buf
 
-    def _scan_text(self, text: str, i: int) -> tuple[str, int]:
-        """Content from text[i:] up to the trigger (state -> "between" after it), holding
-        back a tail that could still become the trigger."""
-        buf = self._held + text[i:]
+    def _scan_text(self, text: str) -> tuple[str, str]:
+        """Content from `text` up to the first trigger (state -> "between" after it), holding
+        back a tail that could still become one; returns (content, what is left to read)."""
+        buf = self._held + text
         self._held = ""
-        trigger = self.fmt.trigger
-        at = -1 if self.trigger_is_token else buf.find(trigger)
-        if at >= 0:
+        found = [(buf.find(t), t, kind) for t, kind in self._triggers if t in buf]
+        if found:
+            at, trigger, kind = min(found)
             self.state = "between"
-            # the rest of this piece, after the trigger, is markup or a call
-            rest_start = len(text) - (len(buf) - at - len(trigger))
-            return buf[:at], rest_start
-        keep = 0 if self.trigger_is_token else _partial_suffix(buf, trigger)
+            # the rest is markup or a call; an inline trigger is the call object's own opening
+            return buf[:at], buf[at:] if kind == "inline" else buf[at + len(trigger):]
+        keep = max((_partial_suffix(buf, t) for t, _ in self._triggers), default=0)
         if keep:
             self._held = buf[-keep:]
-            return buf[:-keep], len(text)
-        return buf, len(text)
+            return buf[:-keep], ""
+        return buf, ""
 
     # -- calls -------------------------------------------------------------------
 

@@ -149,7 +149,7 @@ def _strip_stop(tokens, stops) -> list[int]:
 def make_engines(job, eng, stops, servers, log_dir):
     """engine name -> run(prompt, n_max, timed) -> {"tokens", "decode_tps", ...}."""
     from localrun.sampling import SamplingParams
-    from localrun.lookup.speculative import LookupConfig
+    from localrun.speculation.lookup import LookupConfig
     greedy = SamplingParams(temperature=0.0)
     flash_attn = eng.backend.flash_attn  # "on" / "off" / "auto": every engine attends the same way
 
@@ -247,15 +247,15 @@ def measure_batch_drift(eng, prompts):
     that once per model. Pay it here, untimed, so that timed runs show the speed every
     later run has."""
     from localrun.sampling import SamplingParams
-    from localrun.lookup.speculative import LookupConfig
+    from localrun.speculation.lookup import LookupConfig
 
     for name in ("edit", "rename", *prompts):
-        if not eng.drift.calibrating:
+        if not eng.speculator.drift.calibrating:
             break
         eng.complete(prompts[name], sampling=SamplingParams(temperature=0.0), max_tokens=128,
                      lookup=LookupConfig(exact_greedy=True))
-    print(f"  batch drift: {eng.drift.worst:.3f} (a wide step's greedy token needs a lead over "
-          f"{eng.drift.margin:.3f})", file=sys.stderr, flush=True)
+    print(f"  batch drift: {eng.speculator.drift.worst:.3f} (a wide step's greedy token needs a lead over "
+          f"{eng.speculator.drift.margin:.3f})", file=sys.stderr, flush=True)
 
 
 def timed_runs(job, engines, prompts, tasks):

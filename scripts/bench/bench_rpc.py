@@ -124,7 +124,7 @@ def run_once(model: str, args, workers, proxies=(), hosted: bool = False) -> dic
         return [sum(s[i] for s in snaps) for i in range(3)]
 
     before_load = totals()
-    backend = (RemoteBackend if hosted else LlamaCppBackend)(model, n_ctx=1024, threads=args.threads, workers=workers)
+    backend = (RemoteBackend if hosted else LlamaCppBackend)(model, n_ctx=1024, threads=args.threads, cluster=workers)
     loaded = totals()
     engine = Engine(backend)
     try:
@@ -177,10 +177,10 @@ def main() -> int:
     try:
         split = rpc.parse_tensor_split(args.tensor_split, 2)
         local = measure(args.model, args)
-        direct = rpc.connect([rpc.Endpoint("127.0.0.1", p) for p in ports], split, activate=False)
+        direct = rpc.connect([rpc.Endpoint("127.0.0.1", p) for p in ports], split)
         remote = measure(args.model, args, direct)
         hosted = measure(args.model, args, direct, hosted=True)  # a worker serves one client: after the above
-        counted = rpc.connect([rpc.Endpoint("127.0.0.1", p.port) for p in proxies], split, activate=False)
+        counted = rpc.connect([rpc.Endpoint("127.0.0.1", p.port) for p in proxies], split)
         wire = measure(args.model, args, counted, proxies)
     finally:
         for proc in procs:

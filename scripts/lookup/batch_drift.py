@@ -26,7 +26,7 @@ import numpy as np
 
 from localrun.backends.base import BatchEntry
 from localrun.backends.llamacpp import LlamaCppBackend
-from localrun.lookup.speculative import margin_change
+from localrun.speculation.drift import margin_change
 from scripts.lookup.lookup_tasks import prompt_texts
 
 PREFILL_CHUNK = 256

@@ -6,7 +6,7 @@
 
 It prints, per window of `--window` seconds, the one-row step's median ms and each width's
 median over it: where the first column moves and the others hold, the machine's speed
-drifted while the model's cost shape stayed (what localrun/lookup/step_cost.py assumes). The file
+drifted while the model's cost shape stayed (what localrun/speculation/step_cost.py assumes). The file
 feeds `python -m scripts.lookup.replay_lookup --drift`, which replays drafting plans against this
 recorded drift instead of a quiet machine.
 """

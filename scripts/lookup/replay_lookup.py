@@ -13,7 +13,7 @@ the longest prompt under-prices wide steps for the shorter ones.
 
 Why: decode speed on a shared 2-core machine moves by +-15% from run to run, more than
 what separates two drafting rules, and where a wide step's row breaks a near-tie the
-other way, the answer itself changes (see localrun/lookup/speculative.py, "Temperature 0").
+other way, the answer itself changes (see localrun/speculation/lookup.py, "Temperature 0").
 Here every rule drafts against the same answer (the one lookup off gives), the verdict
 on a draft is how far it agrees with that answer, and a plan costs the sum of its steps'
 measured ratios. So "x" below is what a plan would decode at over lookup off if a step
@@ -105,11 +105,11 @@ class Session:
 
     def __init__(self, table: CostTable, drift: Drift | None = None, clock_ms: float = 0.0,
                  control: frozenset[int] = frozenset()) -> None:
-        from localrun.lookup.speculative import Acceptance, StepCost
+        from localrun.speculation.lookup import Acceptance, StepCost
 
         self.table, self.acceptance, self.step_cost = table, Acceptance(), StepCost()
         self.drift, self.clock_ms = drift, clock_ms
-        self.control = control  # the prompts' turn marks (Engine.turn_marks), which no draft holds
+        self.control = control  # the prompts' turn marks (Speculator.turn_marks), which no draft holds
 
     def step(self, rows: int, drafting: bool = True) -> float:
         cost = self.table.ratio(rows)
@@ -135,7 +135,7 @@ def measure(path: Path, max_tokens: int, threads: int, reps: int) -> dict:
             eng.backend.kv_clear(0)
             res = eng.complete(prompt, sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens, lookup=False)
             answers[name] = (list(prompt), list(res.tokens))
-        control = sorted({t for prompt in prompts.values() for t in eng.turn_marks(prompt)})
+        control = sorted({t for prompt in prompts.values() for t in eng.speculator.turn_marks(prompt)})
         return {"answers": answers, "control": control,
                 "cost": {name: measure_table(eng.backend, prompt, reps) for name, prompt in prompts.items()}}
 
@@ -202,9 +202,9 @@ def replay(rule: str, prompt: list[int], answer: list[int], session: Session, ma
     first token comes from the prompt's step, as in the engine; each decode step then
     feeds the pending token and a draft, and yields the draft's agreeing prefix plus one."""
     from localrun.engine import _common_prefix
-    from localrun.lookup.speculative import DraftController, LookupConfig
+    from localrun.speculation.lookup import LookupProposer, LookupConfig
 
-    ctrl = (DraftController(LookupConfig(), session.step_cost, session.acceptance, answer_start=len(prompt),
+    ctrl = (LookupProposer(LookupConfig(), session.step_cost, session.acceptance, answer_start=len(prompt),
                             control=session.control)
             if rule == "localrun" else None)
     truth = answer + [-1]  # nothing drafts past the answer's end

@@ -51,7 +51,7 @@ class Tracer:
             self._quiet = []
 
     def decision(self, ctrl, history: list[int], draft: list[int], match: int) -> None:
-        from localrun.lookup.speculative import slot_label
+        from localrun.speculation.lookup import slot_label
 
         slot = ctrl.priced  # its band, and whether the match is a phrase of the answer's own
         band = slot_label(slot) if slot >= 0 else "-"
@@ -81,14 +81,14 @@ class Tracer:
 def traced(engine, tracer: Tracer):
     """The engine's draft controllers and step-cost record report to `tracer` while
     `tracer.on`."""
-    from localrun.lookup.speculative import DraftController
+    from localrun.speculation.lookup import LookupProposer
 
-    draft, record = DraftController.draft, DraftController.record
-    observe = engine.step_cost.observe
+    draft, record = LookupProposer.draft, LookupProposer.record
+    observe = engine.speculator.step_cost.observe
     matched = [False]  # the step being decoded had a match
 
-    def traced_draft(ctrl, history, room):
-        out = draft(ctrl, history, room)
+    def traced_draft(ctrl, history, room, *share):
+        out = draft(ctrl, history, room, *share)
         if tracer.on:
             match = ctrl.match
             matched[0] = match >= ctrl.cfg.min_match
@@ -103,17 +103,17 @@ def traced(engine, tracer: Tracer):
 
     def traced_observe(rows, ms, drafting=True):
         if tracer.on:
-            tracer.step(rows, ms, engine.step_cost.one_row_ms(), matched[0])
+            tracer.step(rows, ms, engine.speculator.step_cost.one_row_ms(), matched[0])
             matched[0] = False
         return observe(rows, ms, drafting)
 
-    DraftController.draft, DraftController.record = traced_draft, traced_record
-    engine.step_cost.observe = traced_observe
+    LookupProposer.draft, LookupProposer.record = traced_draft, traced_record
+    engine.speculator.step_cost.observe = traced_observe
     try:
         yield
     finally:
-        DraftController.draft, DraftController.record = draft, record
-        engine.step_cost.observe = observe
+        LookupProposer.draft, LookupProposer.record = draft, record
+        engine.speculator.step_cost.observe = observe
 
 
 def main(argv=None) -> int:

@@ -56,7 +56,7 @@ import numpy as np
 
 class StepCost:
     """One model's step cost by rows: the filter of the module's docstring, fed every
-    single-sequence step the engine times, read by DraftController as prices."""
+    single-sequence step the engine times, read by LookupProposer as prices."""
 
     MAX_ROWS = 64  # widths the filter knows; wider steps are priced by extension (none drafts that wide today)
     JITTER = 0.08  # a step's own scatter, sd in log ms (measured 0.075-0.096, see above)

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding: drafts from the context itself, exact verification.
+"""Prompt lookup, the first proposer: drafts copied from the context itself.
 
 **Drafting.** `NgramIndex` keeps, for one generation, where every pair of neighbouring
 tokens occurred in its history (prompt + answer). To draft, it takes the most recent
@@ -16,7 +16,7 @@ drafts copy with it made, and a match goes on behind it (a long match, not a fre
 2-token one). What it buys is measured in LookupConfig.learn_edits' comment.
 
 **How much to draft.** A long match is evidence that the answer is copying a span (a
-code edit, a quote), so `DraftController` keeps one acceptance estimate per band of
+code edit, a quote), so `LookupProposer` keeps one acceptance estimate per band of
 match length (one for copies of given text, one for phrases of the answer's own), and
 `StepCost` (step_cost.py) follows what a step costs per number of rows, apart from the
 machine's speed of the moment (on a CPU a wider step is sublinear:
@@ -32,38 +32,7 @@ back as soon as the answer starts copying again, and one whose drafts keep faili
 open-ended chat after a session of code edits) stays quiet without paying for the
 failed wide steps that would otherwise be its only way to learn.
 
-**Verification** (in the engine) scores the pending token plus the k drafts in one
-backend step, then samples each row exactly as without speculation (same chain, same
-RNG draw) and keeps a draft while it equals the sampled token. A draft x is therefore
-kept with probability p(x), and on rejection the emitted token y != x has law
-p(y) / (1 - p(x)): p with x removed, renormalised. Every emitted position consumes the
-RNG exactly as a plain step does.
-
-**Temperature 0.** A row computed in a wide step is not always bit-identical to the
-same row computed alone: llama.cpp's CPU backend multiplies a many-row batch with other
-kernels than one row (llamafile's sgemm for F16/Q8_0/Q4_0 weights and the F16 KV cache,
-a tiled kernel for K-quants from 8 rows, the repacked weights' gemm from 4 rows). On this
-project's 2-core AVX2 CPU with flash attention off, top-two margins moved by up to ~0.8
-on Gemma-3 and SmolLM2 and ~0.3 on Qwen2.5 (scripts/lookup/batch_drift.py). Without all three
-(a -DGGML_LLAMAFILE=OFF build, GGML_CPU_TILED_MM=0, no repacking) rows are bit-identical,
-but prompt reading gets 1.1x (Q4_1) to 2.1x (K-quants) slower and a wide step 1.6-1.9x
-dearer, so localrun keeps the fast kernels. By default a greedy token is taken from a
-wide step's row as from a one-row step: a near-tie can go the other way than without
-lookup (measured: 26-30 of 36 answers identical from run to run, scripts/bench/bench_lookup.py;
-llama-server's n-gram modes kept 34 of the 36 in one same run, drafting only behind a
-12-token match, so that open chats rarely take a wide step). With
-`LookupConfig(exact_greedy=True)` it bounds the kernels' effect instead: `BatchDrift`
-measures the drift on the first speculative steps of a model (by recomputing them one
-row at a time, which also decides those tokens exactly), and from then on a greedy
-token is taken from a wide step only where it leads the runner-up by more than a margin
-over the measured drift; otherwise the step stops there and a one-row step decides (the
-draft's judge counts that stop as a rejection: the rows after it are lost all the same).
-That protects the wide rows but not the KV cache of kept drafts, which later rows read:
-it kept 28-29 of the same 36 answers identical, at 1.23-1.34x the grounded tasks' time.
-A fixed lead without the measuring did no better: with 0.2 or 0.5 logits, 28 and 29 of
-36, and Gemma-3's rename still parted from lookup off at the same token (its top two 0.07
-apart without lookup): a wide row would have had to move by more than 0.57 for the lead
-to let it through, so the KV cache is the likelier cause.
+Verification and its temperature-0 caveat are the speculator's (speculator.py, drift.py).
 """
 
 from __future__ import annotations
@@ -72,9 +41,9 @@ from dataclasses import dataclass
 from itertools import chain, takewhile
 from typing import TYPE_CHECKING
 
-import numpy as np
 
 from .edits import MAX_EDITS, LearnedEdits
+from .proposer import ALONE, Proposer, StepShare
 from .step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -256,7 +225,7 @@ class LookupConfig:
     # measurements) while grounded tasks decoded 1.23-1.34x slower (scripts/bench/bench_lookup.py
     # --engines lr_lookup lr_exact ...).
     exact_greedy: bool = False
-    # Drafts make the edits the answer made to what it copies (lookup_edits.LearnedEdits).
+    # Drafts make the edits the answer made to what it copies (edits.LearnedEdits).
     # Measured on the typo-fixing task, the one of scripts/bench/bench_lookup.py's where the test
     # models edit what they copy (they write the renames back unrenamed): decode 1.05x /
     # 1.17x / 1.38x on Gemma-3 / SmolLM2 / Qwen2.5 against learn_edits=False (medians of 3,
@@ -314,7 +283,7 @@ class Acceptance:
             self.prior.judged(slot, drafted, accepted)
 
 
-class DraftController:
+class LookupProposer(Proposer):
     """One generation's drafting: acceptance per match-length band, and the length that
     pays most given the model's step cost."""
 
@@ -355,8 +324,9 @@ class DraftController:
             return [1.0] + [1.0 + per * (r - 1) for r in range(1, most + 1)]
         return self.cost.ratios(most, self.cfg.cost_per_draft)
 
-    def draft(self, history: list[int], room: int) -> list[int]:
-        """The tokens to verify after the pending one ([] for a plain step)."""
+    def draft(self, history: list[int], room: int, share: StepShare = ALONE) -> list[int]:
+        """The tokens to verify after the pending one ([] for a plain step), priced in the
+        step they would join (`share`)."""
         self.match, self.priced = 0, -1
         if not self.cfg.enabled or room <= 0:
             return []
@@ -395,7 +365,7 @@ class DraftController:
             return []
         repeat = self.answer_start is not None and end >= self.answer_start and not loop
         slot = self.priced = _slot(match, repeat)
-        k = self.best_length(self.rate(slot), len(candidate), repeat_of=match if repeat else None)
+        k = self.best_length(self.rate(slot), len(candidate), repeat_of=match if repeat else None, share=share)
         if k == 0:
             if self._shadow is None:
                 self._shadow = (slot, len(history), candidate[:SHADOW_TOKENS])
@@ -418,23 +388,29 @@ class DraftController:
             self.acceptance.judged(slot, len(tokens), agreed)
             self._shadow = None
 
-    def best_length(self, rate: float, available: int, repeat_of: int | None = None) -> int:
+    def best_length(self, rate: float, available: int, repeat_of: int | None = None,
+                    share: StepShare = ALONE) -> int:
         """The shortest k in 0..available whose expected tokens per step time come within
         NEAR_BEST of the best k's, where k = 0 (a plain step: one token, cost 1) wins unless
         a draft beats it by min_gain.
         `repeat_of`: the draft continues a phrase of the answer's own that has agreed for
         that many tokens, and the k-th token's odds are scaled by repeat_of / (repeat_of + k)
-        (see the note under LOOP_REPEATS)."""
+        (see the note under LOOP_REPEATS).
+        `share`: the step the draft joins; its other streams' tokens count in the step's
+        yield and its rows in the step's cost (StepShare), so a draft that would pay alone
+        may not pay in a step that four streams share."""
         best_k, best_gain = 0, self.cfg.min_gain
         gains = [0.0]
         expected, term = 1.0, 1.0
-        costs = self.row_costs(available + 1)
+        rows, others = share.rows, share.tokens - 1
+        costs = self.row_costs(available + rows)
+        base = costs[rows] / share.tokens  # alone: 1.0, and the gain below is expected / costs[k + 1]
         for k in range(1, available + 1):
             term *= rate
             # the tokens a k-draft step yields on average: 1 + rate + ... + rate**k, each
             # term scaled by the phrase-repeat odds when it continues the answer's own text
             expected += term if repeat_of is None else term * repeat_of / (repeat_of + k)
-            gain = expected / costs[k + 1]
+            gain = (others + expected) * base / costs[rows + k]
             gains.append(gain)
             if gain > best_gain:
                 best_k, best_gain = k, gain
@@ -460,50 +436,3 @@ class DraftController:
                 source, edit = origins[-1]
                 self._after = (start + drafted, source + (len(edit[0]) if edit else 1))
         self._flight = None
-
-
-def margin_change(wide, alone) -> float:
-    """How much the lead of a one-row step's top token over its runner-up changed when the
-    same row was computed in a wide step (0: the choice between them is as sure)."""
-    two = np.argpartition(alone, -2)[-2:]
-    return abs(float((wide[two[1]] - wide[two[0]]) - (alone[two[1]] - alone[two[0]])))
-
-
-class BatchDrift:
-    """How far a wide step's rows may stray from one-row steps' on this model: the
-    largest change of a top-two margin seen over the first `SAMPLE_ROWS` rows that were
-    computed both ways. Until then greedy speculative steps are recomputed one row at a
-    time (`calibrating`)."""
-
-    SAMPLE_ROWS = 48
-    # A 48-row maximum understates the true one, so the margin is a multiple of it. 1.5
-    # covers every row of scripts/lookup/batch_drift.py (4 prompts x 64 tokens, 16-row steps) on
-    # the three test models, and it kept as many of 36 answers identical as 2.5 did
-    # (32 vs 29, bench_lookup.py --identity-only --threads 1), while 2.5 left so many
-    # copied rows to one-row steps that Gemma-3's two code edits decoded at 80 and 63
-    # tok/s against 92 and 114 with 1.5 (bench_lookup.py --threads 1).
-    SAFETY = 1.5
-
-    def __init__(self) -> None:
-        self.rows = 0
-        self.worst = 0.0
-
-    @classmethod
-    def known(cls, worst: float) -> "BatchDrift":
-        """A drift already known (a backend whose rows never depend on the batch: 0)."""
-        drift = cls()
-        drift.rows, drift.worst = cls.SAMPLE_ROWS, worst
-        return drift
-
-    @property
-    def calibrating(self) -> bool:
-        return self.rows < self.SAMPLE_ROWS
-
-    @property
-    def margin(self) -> float:
-        """A greedy token from a wide step must lead its runner-up by more than this."""
-        return self.SAFETY * self.worst
-
-    def observe(self, wide_margin_change: float) -> None:
-        self.rows += 1
-        self.worst = max(self.worst, wide_margin_change)

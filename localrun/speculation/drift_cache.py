@@ -1,4 +1,4 @@
-"""A model's batch drift (speculative.BatchDrift), remembered between runs.
+"""A model's batch drift (drift.BatchDrift), remembered between runs.
 
 Measuring the drift costs the first speculative steps their speed (each is decoded
 again one row at a time), which a one-shot `localrun run` would pay on every answer.
@@ -18,7 +18,7 @@ import secrets
 from importlib import metadata
 from pathlib import Path
 
-from .speculative import BatchDrift
+from .drift import BatchDrift
 from ..store.local import data_dir
 
 FILE_NAME = "batch-drift.json"

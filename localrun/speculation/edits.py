@@ -1,5 +1,5 @@
 """Edits an answer makes to the text it copies, learned so that prompt-lookup drafts
-make them too (see `LearnedEdits`; the drafting itself is in speculative.py)."""
+make them too (see `LearnedEdits`; the drafting itself is in lookup.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""The proposer seam: where a speculative step's draft comes from.
+
+A proposer serves one generation. Each step the speculator asks it for a draft: given
+the history (prompt and answer so far) and the room the step has left, up to that many
+tokens the model is likely to produce next. The model then scores the pending token and
+the draft in one step, the speculator verifies the draft exactly (speculator.py), and
+the proposer is told how many of the drafted tokens were judged and how many kept.
+
+A proposer decides how far to draft, because only it knows its odds token by token;
+it prices a draft with the model's `StepCost` (what a step of r rows costs, shared by
+the model's generations) plus what drafting costs itself: nothing for prompt lookup
+(lookup.py), its own decode steps for a draft model. A proposer may hold state beyond
+Python objects (a draft model's KV slot, which must follow the kept tokens and be cut
+back after a rejection) and gives it back in `release`.
+
+Verification keeps a drafted token while it equals the token the model's own sampling
+draws from its row, which is exact for a proposal that is one token for sure (a point
+mass): kept with probability p(x), and otherwise p with x removed, renormalised. A
+proposer that samples its drafts from a distribution q of its own needs the general
+rule (keep x with probability min(1, p(x)/q(x)), else draw from (p - q)+), which comes
+with the first such proposer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """The step a draft would join, as it is without the draft: the rows it holds (this
+    generation's pending token included, other streams' tokens and prompt chunks too)
+    and the tokens it yields (one per decoding generation in it). A k-token draft makes
+    the whole step k rows wider, so it pays only when what it is expected to add beats
+    what it slows every stream of the step by: with d decoding streams, a step of r rows
+    and c(r) its cost, k drafted tokens expected to add E tokens pay when
+    (d + E) / c(r + k) > d / c(r). Alone (r = d = 1) that is (1 + E) / c(1 + k) > 1."""
+
+    rows: int = 1
+    tokens: int = 1
+
+
+ALONE = StepShare()
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def draft(self, history: list[int], room: int, share: StepShare = ALONE) -> list[int]:
+        """At most `room` tokens to verify after the pending one ([]: a plain step).
+        `history` ends with the pending token; `share`: the step the draft would join."""
+
+    @abstractmethod
+    def record(self, judged: int, accepted: int) -> None:
+        """The verdict on the last draft: of its tokens, `judged` were decided (fewer than
+        drafted when verification stopped early) and the first `accepted` were kept."""
+
+    def release(self) -> None:
+        """The generation ended or can no longer draft: give back what this proposer
+        holds beyond Python objects. It may be called more than once, and `record` may
+        still follow (the verdict on the step that ended the generation). Prompt lookup
+        holds nothing of the kind."""
