@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import localrun.sampling.sampler as sampler_module
+import localrun.sampling.stages as stages_module
 from localrun.sampling import DEFAULT_SAMPLERS, Sampler, SamplingParams
 
 # dry_allowed_length=1: a 10-token answer seldom repeats two tokens of its context, and DRY
@@ -96,8 +97,9 @@ def stage_effects(monkeypatch) -> set[str]:
 
     monkeypatch.setattr(Sampler, "_stage", watched_stage)
     # mirostat's path calls temperature and its truncation directly, not through _stage
-    for name, attr in (("temperature", "temperature"), ("mirostat", "mirostat_v1"), ("mirostat", "mirostat_v2")):
-        monkeypatch.setattr(sampler_module, attr, watched(name, getattr(sampler_module, attr)))
+    for name, module, attr in (("temperature", stages_module, "temperature"), ("mirostat", sampler_module, "mirostat_v1"),
+                               ("mirostat", sampler_module, "mirostat_v2")):
+        monkeypatch.setattr(module, attr, watched(name, getattr(module, attr)))
     return changed
 
 
