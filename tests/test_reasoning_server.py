@@ -6,12 +6,14 @@ reads none of them (SmolLM2's) without changing what it does."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
 
 from localrun.request import MAX_TEMPLATE_KWARGS_BYTES
 from serving import Server
+from test_server_attacks import stream_victim
 
 CHAT, MESSAGES, RESPONSES, OLLAMA = "/v1/chat/completions", "/v1/messages", "/v1/responses", "/api/chat"
 HI = [{"role": "user", "content": "Say hi."}]
@@ -77,11 +79,25 @@ def message_of(resp: httpx.Response) -> str:
 
 
 def test_every_reasoning_field_is_bounded_with_a_one_line_400(server):
+    """Every hostile field is refused while another client streams, whose greedy answer
+    stays the one it gets alone."""
+    alone: dict = {}
+    stream_victim(server.url, alone, threading.Event())
+    out: dict = {}
+    started = threading.Event()
+    victim = threading.Thread(target=stream_victim, args=(server.url, out, started))
+    victim.start()
+    assert started.wait(60), "the victim never started streaming"
     refused = []
-    with httpx.Client(base_url=server.url, timeout=30) as http:
-        for route, fields, field in HOSTILE:
-            r = http.post(route, content=encoded(route, fields), headers={"content-type": "application/json"})
-            refused.append((route, field, r.status_code, message_of(r) if r.status_code >= 400 else r.text[:200]))
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for route, fields, field in HOSTILE:
+                r = http.post(route, content=encoded(route, fields), headers={"content-type": "application/json"})
+                refused.append((route, field, r.status_code, message_of(r) if r.status_code >= 400 else r.text[:200]))
+    finally:
+        victim.join(120)
+    assert "error" not in out and out["text"] == alone["text"], "the victim's answer changed"
+    with httpx.Client(base_url=server.url, timeout=30) as http:  # after the victim: its steps stay its own
         answers = {route: http.post(route, json=body(route, {})) for route in (CHAT, OLLAMA, MESSAGES, RESPONSES)}
     for route, field, status, message in refused:
         assert status == 400, (route, field, status, message)
