@@ -77,10 +77,10 @@ class _TextAnswer:
         self._content.append(text)
 
     def feed_marker(self, marker: str) -> None:
-        pass
+        """A control-token marker has no text, and without calls it starts nothing."""
 
     def flush(self) -> None:
-        pass
+        """Nothing is held back: every piece of text was content when it came."""
 
     def take(self) -> tuple[str, str, list[ToolCallDelta]]:
         out, self._content = "".join(self._content), []

@@ -101,10 +101,12 @@ class MarkupParser:
     # -- for the formats ---------------------------------------------------------
 
     def on_text(self, text: str) -> None:
-        raise NotImplementedError
+        """Text between markers, in the current state: each format parser says where it goes."""
+        raise NotImplementedError(f"{type(self).__name__} must say where text goes")
 
     def on_marker(self, marker: str) -> None:
-        raise NotImplementedError
+        """A marker of the format: each format parser says which state it leads to."""
+        raise NotImplementedError(f"{type(self).__name__} must say what a marker does")
 
     def at_end(self) -> None:
         """The answer ended (a format whose last call has no closing marker ends it here)."""

@@ -127,8 +127,9 @@ class _XmlParser(MarkupParser):
         self.state = self.STATES[state][marker]
 
     def leave(self, state: str, marker: str, text: str) -> None:
-        """`marker` ended `state`, which gathered `text` (if it is BUFFERED)."""
-        raise NotImplementedError
+        """`marker` ended `state`, which gathered `text` (if it is BUFFERED): each XML
+        format says what a finished key, value or name becomes."""
+        raise NotImplementedError(f"{type(self).__name__} must say what ends each state")
 
     def _begin(self, name: str) -> None:
         self.begin_call(name)
