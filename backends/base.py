@@ -106,6 +106,15 @@ class BatchEntry:
     n_logits: int = 1  # how many trailing rows need logits (0..len(tokens))
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (a slot's cached tokens and a prompt)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Everything the engine, the scheduler, the server and the grammar read from a

@@ -76,9 +76,11 @@ def _add_model(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="load an MLX model whose config asks to run Python code shipped with it (model_file,"
                    " auto_map); that code runs with your rights (default: such models are refused)")
+    from .commands.draft import add_draft_flags
     from .commands.rpc import add_rpc_flags
 
     add_rpc_flags(p)  # --rpc, --tensor-split
+    add_draft_flags(p)  # --draft, --draft-max
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -99,11 +101,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         # a raw prompt skips the template: its answer is the raw text, thinking markup and all
         reasoning_format="none" if args.raw else "auto",
     )
+    from .commands.draft import check_draft_flags, draft_options
     from .commands.rpc import apply_rpc_flags
 
+    check_draft_flags(args)
     cluster = apply_rpc_flags(args)  # --rpc workers: probed and registered before the model loads
     with Engine.open(args.model, cluster=cluster, n_ctx=args.ctx, threads=args.threads, kv_cache_type=args.kv_cache_type,
-                     chat_template=args.chat_template, trust_remote_code=args.trust_remote_code) as engine:
+                     chat_template=args.chat_template, trust_remote_code=args.trust_remote_code,
+                     **draft_options(args)) as engine:
         if args.raw:
             tokens = engine.tokenize(prompt)
         else:
@@ -134,8 +139,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         from .prompt.chat_template import load_template_file
 
         load_template_file(args.chat_template)
+    from .commands.draft import check_draft_flags
     from .commands.rpc import apply_rpc_flags
 
+    check_draft_flags(args)
     args.cluster = apply_rpc_flags(args)  # every GGUF the chat opens splits over them
     return run_chat(args)
 

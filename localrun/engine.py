@@ -14,6 +14,7 @@ a speculative step whose drafts are kept while each is the token sampled) and ob
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from localrun.backends import open_backend
-from localrun.backends.base import Backend, BackendOptions, BatchEntry, DecodeInterrupted, ModelInfo
+from localrun.backends.base import Backend, BackendOptions, BatchEntry, DecodeInterrupted, ModelInfo, common_prefix
 
 from .prompt import chat_template as chat_template_module
 from . import slots
@@ -31,9 +32,10 @@ from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededErro
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar.core import GrammarMatcher, build_tokenizer
 from .grammar.json_budget import CLOSING_RESERVE, BudgetTokens, budget_tokens, inside_string, narrow
-from .request import GenerationRequest, check_template_kwargs, prepare, request_or_options
+from .request import GenerationRequest, check_template_kwargs, prepare, request_or_options, with_thinking_aliases
 from .store.local import resolve_model
 from .sampling import Sampler, TokenText
+from .speculation.draft_model import DRAFT_MAX, DraftModel, check_pair
 from .speculation.proposer import StepShare
 from .speculation.speculator import Speculator
 from .textstream import StopMatcher
@@ -83,19 +85,62 @@ class Engine:
     @classmethod
     def open(
         cls, path: str | Path, options: BackendOptions | None = None, chat_template: str | Path | None = None,
-        **fields,
+        draft: str | Path | None = None, draft_max: int = DRAFT_MAX, **fields,
     ) -> "Engine":
         """The model at `path` (a file, a folder, or a store name) loaded with `options`
         or its fields as keywords (BackendOptions: n_ctx, n_seq, n_batch, kv_cache_type,
         threads, cluster for RPC workers, trust_remote_code, ...).
-        chat_template: a Jinja template FILE used instead of the model's own."""
+        chat_template: a Jinja template FILE used instead of the model's own.
+        draft: a smaller model of the same vocabulary that drafts for it (load_draft),
+        at most `draft_max` tokens a step."""
         o = BackendOptions.of(options, **fields)  # a bad value fails before any model is read
         if o.n_ctx is not None and o.n_ctx < 16:
             raise BadRequestError(f"--ctx must be at least 16 tokens, got {o.n_ctx}")
+        if draft_max < 1:
+            raise BadRequestError(f"--draft-max must be at least 1, got {draft_max}")
         template = chat_template_module.load_template_file(chat_template) if chat_template is not None else None
-        return cls(open_backend(resolve_model(str(path)), o), chat_template=template)
+        engine = cls(open_backend(resolve_model(str(path)), o), chat_template=template)
+        if draft is not None:
+            try:
+                engine.load_draft(draft, draft_max, o)
+            except BaseException:
+                engine.close()
+                raise
+        return engine
+
+    def load_draft(self, path: str | Path, draft_max: int = DRAFT_MAX, options: BackendOptions | None = None) -> None:
+        """Load the model at `path` to draft for this one (speculative decoding with a
+        smaller model of the same vocabulary; localrun.speculation.draft_model): every
+        generation started from now on drafts with it where drafting pays. It gets this
+        model's context, slots and batch, on this machine (never the --rpc workers).
+        Raises DraftPairError when its vocabulary differs."""
+        b = self.backend
+        o = dataclasses.replace(options or BackendOptions(), n_ctx=b.n_ctx, n_seq=b.n_seq, n_batch=b.n_batch,
+                                kv_cache_type=b.kv_cache_type, cluster=None)
+        backend = open_backend(resolve_model(str(path)), o)
+        try:
+            check_pair(b, backend, Path(self.info.path).name, Path(backend.info.path).name)
+        except BaseException:
+            backend.close()
+            raise
+        if self.speculator.draft_model is not None:
+            self.speculator.draft_model.close()
+        model = DraftModel(backend, draft_max, Path(backend.info.path).name, target_vocab=self.info.n_vocab)
+        try:
+            model.measure(b, self.speculator.step_cost)
+        except BaseException:
+            backend.close()
+            raise
+        self.speculator.draft_model = model
+
+    @property
+    def draft_model(self) -> DraftModel | None:
+        return self.speculator.draft_model
 
     def close(self) -> None:
+        if self.speculator.draft_model is not None:
+            self.speculator.draft_model.close()
+            self.speculator.draft_model = None
         self.backend.close()
 
     def __enter__(self) -> "Engine":
@@ -123,7 +168,7 @@ class Engine:
         info = self.info
         tools = parse_tools(tools, "tools") if tools else ()
         self.tools.check(tools)
-        extra = check_template_kwargs(template_kwargs)
+        extra = with_thinking_aliases(check_template_kwargs(template_kwargs))
         if tools:
             extra["tools"] = [t.template_dict() for t in tools]
         text = chat_template_module.render(
@@ -241,7 +286,7 @@ class Engine:
         least the last prompt token is always fed again (its logits start the answer).
         A cache that cannot be cut back that far (an MLX rotating window) makes `kv_trim`
         refuse, and `start` falls back to a fresh slot."""
-        shared = {s: min(_common_prefix(self.backend.kv_tokens(s), tokens), len(tokens) - 1) for s in self._free}
+        shared = {s: min(common_prefix(self.backend.kv_tokens(s), tokens), len(tokens) - 1) for s in self._free}
         # where neighbours do not matter, no slot counts as busy: place() then simply
         # picks the longest prefix and never copies
         busy = set(range(self.backend.n_seq)).difference(self._free) if self.backend.batches_neighbours_only else ()
@@ -537,11 +582,3 @@ class Engine:
         request = request_or_options(request, options)
         prompt = self.chat_prompt(messages, tools=request.tools, template_kwargs=request.template_kwargs)
         return self.generate(prompt, request)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

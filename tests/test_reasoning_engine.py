@@ -113,3 +113,29 @@ def test_a_request_grammar_holds_the_answer_after_a_thinking_block_the_prompt_op
     assert (reasoning, gen.finish_reason) == ("", "stop")
     assert eng.detokenize(tokens).startswith("</think>")
     jsonschema.validate(json.loads(content), schema)
+
+
+@pytest.mark.parametrize("template, on_marker, off_marker", [
+    # Granite 3.3 reads `thinking`: on, its system prompt asks for <think></think>
+    ("ibm-granite-granite-3.3-2B-Instruct.jinja", "Write your thoughts between <think></think>", None),
+    # Seed-OSS reads `thinking_budget`: 0 tells the model to skip thinking
+    ("ByteDance-Seed-OSS.jinja", None, "your thinking budget is 0"),
+])
+def test_the_thinking_switch_reaches_templates_that_read_other_names(template, on_marker, off_marker):
+    """`enable_thinking` (what think / reasoning_effort / Anthropic thinking arrive as)
+    also reaches templates that read `thinking` or `thinking_budget`."""
+    from fakes import ScriptedBackend
+
+    eng = Engine(ScriptedBackend(), chat_template=(TEMPLATES / template).read_text())
+    messages = [{"role": "user", "content": "hi"}]
+
+    def text(kwargs):
+        return eng.detokenize(eng.chat_prompt(messages, template_kwargs=kwargs))
+
+    on, off = text({"enable_thinking": True}), text({"enable_thinking": False})
+    if on_marker:
+        assert on_marker in on and on_marker not in off
+    if off_marker:
+        assert off_marker in off and off_marker not in on
+    # a name the caller sets stays as set
+    assert text({"enable_thinking": False, "thinking_budget": -1}) == text({})

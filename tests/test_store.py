@@ -148,13 +148,44 @@ def test_ls_shows_verdicts(folders, smollm2_gguf, capsys, monkeypatch):
     put(folders["models"] / "org" / "smol" / "smol-Q4_1.gguf", smollm2_gguf)
     assert run_cli(["ls", "--memory", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "FORMAT", "QUANT", "SIZE", "FIT", "SOURCE"]
-    assert out[1].split() == ["org/smol:Q4_1", "gguf", "Q4_1", "94", "MB", "CPU", "localrun"]
+    assert out[0].split() == ["NAME", "FORMAT", "QUANT", "SIZE", "FIT", "SOURCE", "DRAFTS", "FOR"]
+    assert out[1].split() == ["org/smol:Q4_1", "gguf", "Q4_1", "94", "MB", "CPU", "localrun", "-"]
     assert run_cli(["ls", "--memory", "0.1"]) == 0
     assert "Won't fit" in capsys.readouterr().out
     monkeypatch.setenv("LOCALRUN_MODELS", str(folders["models"] / "empty"))
     assert run_cli(["ls"]) == 0
     assert "localrun pull" in capsys.readouterr().out
+
+
+def test_ls_and_show_mark_which_model_drafts_for_which(folders, smollm2_gguf, qwen_coder_gguf, qwen_coder_15b_gguf,
+                                                      capsys):
+    """Qwen2.5-Coder-0.5B and -1.5B share a vocabulary: the smaller one drafts for the
+    bigger (`--draft`); SmolLM2's vocabulary pairs with neither. Read from the files'
+    token lists, no model loaded."""
+    put(folders["models"] / "Qwen" / "coder-0.5b" / "coder-Q4_K_M.gguf", qwen_coder_gguf)
+    put(folders["models"] / "Qwen" / "coder-1.5b" / "coder-Q4_K_M.gguf", qwen_coder_15b_gguf)
+    put(folders["models"] / "org" / "smol" / "smol-Q4_1.gguf", smollm2_gguf)
+    assert run_cli(["ls", "--memory", "8"]) == 0
+    rows = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows == {"Qwen/coder-0.5b:Q4_K_M": "Qwen/coder-1.5b:Q4_K_M", "Qwen/coder-1.5b:Q4_K_M": "-",
+                    "org/smol:Q4_1": "-"}
+    assert run_cli(["show", "Qwen/coder-1.5b:Q4_K_M"]) == 0
+    out = capsys.readouterr().out
+    assert "drafts for      -" in out and "drafted by      Qwen/coder-0.5b:Q4_K_M" in out
+    assert run_cli(["show", str(qwen_coder_gguf)]) == 0  # a path outside the store is compared too
+    assert "drafts for      Qwen/coder-1.5b:Q4_K_M" in capsys.readouterr().out
+
+
+def test_fit_counts_the_draft_models_memory_first(folders, qwen_coder_gguf, qwen_coder_15b_gguf, capsys):
+    """`fit --draft`: the draft's weights, KV and buffers come out of the memory before the
+    model's quant is chosen, so a budget the model alone fits may not fit both."""
+    big = qwen_coder_15b_gguf
+    assert run_cli(["fit", str(big), "--memory", "2.2"]) == 0
+    assert "pick: Q4_K_M" in capsys.readouterr().out
+    assert run_cli(["fit", str(big), "--memory", "2.2", "--draft", str(qwen_coder_gguf)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("draft model: draft: 469 MB weights") and "nothing fits" in out
+    assert run_cli(["fit", str(big), "--memory", "2.2", "--draft", "org/none"]) == 2
 
 
 def test_rm_deletes_store_models_only(folders, capsys):

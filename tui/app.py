@@ -30,6 +30,7 @@ from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Markdown, ProgressBar
 
+from localrun.commands.draft import draft_options
 from localrun.engine import Engine
 from localrun.errors import LocalrunError, ModelNotFoundError
 
@@ -501,7 +502,7 @@ def run_chat(args, interactive: bool | None = None) -> int:
         # --chat-template FILE replaces the template of every model this chat opens
         opener = functools.partial(Engine.open, chat_template=getattr(args, "chat_template", None),
                                    trust_remote_code=getattr(args, "trust_remote_code", False),
-                                   cluster=getattr(args, "cluster", None))
+                                   cluster=getattr(args, "cluster", None), **draft_options(args))
         session = ChatSession(n_ctx=args.ctx, threads=args.threads, opener=opener,
                               kv_cache_type=getattr(args, "kv_cache_type", "f16"))
         app = ChatApp(session, settings, store, initial_model(args, store))

@@ -14,6 +14,7 @@ import sys
 def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     from localrun.generation import print_timings
     from localrun.sampling.flags import sampling_from_args
+    from localrun.commands.draft import draft_options
     from localrun.engine import Engine
     from localrun.errors import LocalrunError
     from localrun.request import GenerationRequest
@@ -27,7 +28,7 @@ def run_repl(args, stdin=sys.stdin, stdout=sys.stdout) -> int:
     with Engine.open(args.model, n_ctx=args.ctx, threads=args.threads, kv_cache_type=kv,
                      chat_template=getattr(args, "chat_template", None),
                      trust_remote_code=getattr(args, "trust_remote_code", False),
-                     cluster=getattr(args, "cluster", None)) as engine:
+                     cluster=getattr(args, "cluster", None), **draft_options(args)) as engine:
         system = [{"role": "system", "content": args.system}] if args.system else []
         history: list[dict] = []
         interactive = stdin.isatty()

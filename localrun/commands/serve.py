@@ -33,10 +33,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadRequestError(f"--max-models must be at least 1, got {args.max_models}")
     if args.batch < 16:
         raise BadRequestError(f"--batch must be at least 16 tokens, got {args.batch}")
+    from .draft import check_draft_flags, draft_options
     from .rpc import apply_rpc_flags
 
     if args.rpc_timeout is not None and not args.rpc:
         raise BadRequestError("--rpc-timeout bounds calls to --rpc workers: add --rpc HOST:PORT, or drop it")
+    check_draft_flags(args)
     cluster = apply_rpc_flags(args, announce=True)  # --rpc workers: probed once; every GGUF load splits over them
     if args.rpc_timeout is not None:
         from ..backends import remote
@@ -50,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model or [], args.ctx, args.parallel, args.threads, args.queue, parse_keep_alive(args.keep_alive),
         args.batch, args.max_models, kv_cache_type=args.kv_cache_type, allow_paths=args.allow_paths,
         trust_remote_code=args.trust_remote_code, chat_template=args.chat_template, aliases=aliases,
-        cluster=cluster,
+        cluster=cluster, **draft_options(args),
     )
     _log_to_stderr(args.log_level)
     _announce_contexts(manager)
@@ -168,9 +170,11 @@ def add_commands(sub) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="allow this browser origin (repeatable; default: localhost pages and VS Code webviews)")
     p.add_argument("--max-body", type=int, default=8 * 1024 * 1024, help="largest request body in bytes (413 beyond)")
+    from .draft import add_draft_flags
     from .rpc import add_rpc_flags
 
     add_rpc_flags(p)
+    add_draft_flags(p)
     p.add_argument("--rpc-timeout", type=_rpc_timeout, default=None, metavar="SECONDS",
                    help="with --rpc: a call to the model's process that gets no answer this long means a worker"
                    " hangs; the answers in flight end with an error naming it and the next request loads the"

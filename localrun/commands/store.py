@@ -46,11 +46,14 @@ def cmd_ls(args) -> int:
         print(f"no models yet in {models_dir()} (nor in the Hugging Face cache or LM Studio);"
               " get one with `localrun pull org/repo`")
         return 0
+    from localrun.model.vocab import draft_pairs
+
     budget = _budget(args)
-    rows = [["NAME", "FORMAT", "QUANT", "SIZE", "FIT", "SOURCE"]]
+    drafts_for = draft_pairs(models)  # a smaller model of the same vocabulary: `--draft` for the bigger
+    rows = [["NAME", "FORMAT", "QUANT", "SIZE", "FIT", "SOURCE", "DRAFTS FOR"]]
     for m in models:
         rows.append([m.name, m.format, m.quant, _gb(m.size_bytes), fit_verdict(m.path, args.ctx, args.kv_cache_type or "f16", budget),
-                     m.source])
+                     m.source, ", ".join(drafts_for.get(m.name, ())) or "-"])
     _table(rows)
     return 0
 
@@ -93,6 +96,7 @@ def cmd_show(args) -> int:
     from localrun.store.local import model_facts
 
     facts = model_facts(args.model)
+    facts.update(_draft_facts(facts["path"]))
     template = facts.pop("chat template", None)
     _table([[k, str(v)] for k, v in facts.items()])
     if template is not None:
@@ -104,6 +108,26 @@ def cmd_show(args) -> int:
         if len(shown) < len(lines):
             print(f"  ... {len(lines) - len(shown)} more lines (--template prints it all)")
     return 0
+
+
+def _draft_facts(path: str) -> dict:
+    """`show`'s rows on speculative decoding: the installed models of the same vocabulary
+    this one drafts for (smaller) or that draft for it (bigger)."""
+    from pathlib import Path
+
+    from localrun.model.vocab import draft_pairs
+    from localrun.store.local import StoredModel, list_models
+
+    models = list_models()
+    me = next((m for m in models if Path(m.path) == Path(path)), None)
+    if me is None:  # a path outside the store: compare it with what is installed
+        from localrun.quant.selector import weights_bytes
+
+        me = StoredModel(name=path, path=Path(path), format="", quant="", size_bytes=weights_bytes(path), source="path")
+        models.append(me)
+    pairs = draft_pairs(models)
+    drafted_by = [m.name for m in models if me.name in pairs.get(m.name, ())]
+    return {"drafts for": ", ".join(pairs.get(me.name, ())) or "-", "drafted by": ", ".join(drafted_by) or "-"}
 
 
 def server_url() -> str:
@@ -212,6 +236,12 @@ def cmd_fit(args) -> int:
 
     shape, quants, where = _fit_rows(args)
     local = _budget(args)
+    if args.draft is not None:  # the draft model's weights and KV come out of the memory first
+        from localrun.quant.selector import without_draft
+        from localrun.store.local import resolve_model
+
+        local, draft = without_draft(local, resolve_model(args.draft), args.ctx, args.kv_cache_type or "f16")
+        print(f"draft model: {draft.explain()}; the rest is the model's")
     budget, workers = with_workers(args, local)  # --rpc: each worker's free memory, asked from its device
     choice = choose(shape, quants, args.ctx, budget, args.kv_cache_type)
     rows = [["", "QUANT", "SIZE", "KV", "NEEDS", "VERDICT"]]
@@ -343,6 +373,8 @@ def add_commands(sub) -> None:
     p.add_argument("--hub", action="store_true", help="list the Hub repo's quants even when some are installed")
     _memory_flags(p)
     add_rpc_flags(p)
+    p.add_argument("--draft", metavar="MODEL", default=None,
+                   help="a draft model to load beside it (run/serve --draft): its memory is counted first")
     cmd("doctor", cmd_doctor, "hardware, usable backends and model folders")
 
 

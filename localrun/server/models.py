@@ -37,6 +37,7 @@ from ..backends.base import BackendOptions
 from ..backends.remote import is_lost
 from ..prompt.chat_template import load_template_file
 from ..engine import Engine
+from ..speculation.draft_model import DRAFT_MAX, DraftPairError
 from ..errors import BadRequestError, LocalrunError, ModelLoadError, ModelNotFoundError, UnsupportedFormatError
 from .context import ContextChoice, served_context
 from .keep_alive import DEFAULT_KEEP_ALIVE, parse_keep_alive
@@ -236,9 +237,13 @@ class ModelManager:
         chat_template: str | None = None,
         aliases: list[tuple[str, str]] | None = None,
         cluster=None,
+        draft: str | None = None,
+        draft_max: int = DRAFT_MAX,
     ) -> None:
-        """cluster: the --rpc workers (localrun.cluster.rpc.Cluster) every GGUF is split over."""
+        """cluster: the --rpc workers (localrun.cluster.rpc.Cluster) every GGUF is split over.
+        draft: a --draft model that drafts for every loaded model it pairs with."""
         self.cluster = cluster
+        self.draft, self.draft_max = draft, draft_max
         self.configured = {display_name(m): m for m in models}  # name -> path or store name
         # a --model may be named by its listed name or exactly as it was given
         self._configured_names = {**{m: display_name(m) for m in models}, **{d: d for d in self.configured}}
@@ -469,7 +474,7 @@ class ModelManager:
                                  kv_cache_type=self.kv_cache_type, cluster=cluster,
                                  trust_remote_code=self.trust_remote_code)
         try:
-            engine = _open_engine(path, options, self.chat_template_file)
+            engine = _open_engine(path, options, self.chat_template_file, self.draft, self.draft_max)
         except (UnsupportedFormatError, ModelLoadError) as exc:
             # the detail may quote the file's first bytes or list a folder: the log keeps it
             log.warning("could not load %s (%s): %s", display, path, exc)
@@ -565,13 +570,26 @@ def _check_remote_code(path: str, trusted: bool) -> None:
     check_remote_code(path, trusted, "start the server with --trust-remote-code")
 
 
-def _open_engine(path: str, options: BackendOptions, chat_template: str | None) -> Engine:
+def _open_engine(path: str, options: BackendOptions, chat_template: str | None, draft: str | None = None,
+                 draft_max: int = DRAFT_MAX) -> Engine:
     """`chat_template`: the --chat-template FILE, None for the model's own template.
     With --rpc workers a GGUF runs in a child process (backends/remote.py): a worker that
-    dies then fails the answers in flight, not the server."""
+    dies then fails the answers in flight, not the server. `draft`: the --draft model,
+    which drafts for every model it pairs with (the others load without it: the log
+    says why)."""
     if options.cluster is not None:
         from ..backends import open_backend
 
         template = load_template_file(chat_template) if chat_template is not None else None
-        return Engine(open_backend(path, options, isolated=True), chat_template=template)
-    return Engine.open(path, options, chat_template=chat_template)
+        engine = Engine(open_backend(path, options, isolated=True), chat_template=template)
+    else:
+        engine = Engine.open(path, options, chat_template=chat_template)
+    if draft is not None:
+        try:
+            engine.load_draft(draft, draft_max, options)  # on this machine: load_draft drops the cluster
+        except DraftPairError as exc:
+            log.warning("%s", exc)
+        except BaseException:
+            engine.close()
+            raise
+    return engine

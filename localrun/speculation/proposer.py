@@ -60,3 +60,35 @@ class Proposer(ABC):
         holds beyond Python objects. It may be called more than once, and `record` may
         still follow (the verdict on the step that ended the generation). Prompt lookup
         holds nothing of the kind."""
+
+
+class FirstOf(Proposer):
+    """Several proposers in order of preference: a step takes the first one's draft that
+    is not empty (prompt lookup's, when the context offers a match that pays; else the
+    draft model's). The one that drafted hears the verdict; the others hear that they
+    drafted nothing, as on a plain step."""
+
+    def __init__(self, *proposers: Proposer) -> None:
+        self.proposers = proposers
+        self._drafted: Proposer | None = None
+
+    def draft(self, history: list[int], room: int, share: StepShare = ALONE) -> list[int]:
+        self._drafted = None
+        for p in self.proposers:
+            tokens = p.draft(history, room, share)
+            if tokens:
+                self._drafted = p
+                return tokens
+        return []
+
+    def record(self, judged: int, accepted: int) -> None:
+        for p in self.proposers:
+            if p is self._drafted:
+                p.record(judged, accepted)
+            else:
+                p.record(0, 0)
+        self._drafted = None
+
+    def release(self) -> None:
+        for p in self.proposers:
+            p.release()

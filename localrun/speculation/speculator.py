@@ -6,7 +6,8 @@ The `Speculator` owns what a model's generations share: the step cost by width
 drift of its wide steps (`BatchDrift`, remembered between runs by drift_cache), and its
 chat template's turn marks. The engine asks it to
 
-- `attach` a proposer to a generation (prompt lookup, per the request's `LookupConfig`);
+- `attach` proposers to a generation (prompt lookup, per the request's `LookupConfig`,
+  then the draft model, when one is loaded);
 - `draft` for a decoding generation within the room its step has left;
 - `verify` the rows a speculative step returned, token by token, with the engine's own
   token choice (grammar, sampler, stop strings) as `produce`;
@@ -36,7 +37,8 @@ from ..errors import CacheNotTrimmableError
 from . import drift_cache
 from .drift import margin_change
 from .lookup import Acceptance, LookupConfig, LookupProposer
-from .proposer import ALONE, StepShare
+from .draft_model import DraftModel
+from .proposer import ALONE, FirstOf, StepShare
 from .step_cost import StepCost
 
 # produce(generation, row, now, lead) -> the event of the token chosen from `row`, or None
@@ -55,16 +57,25 @@ class Speculator:
         self.acceptance = Acceptance()  # what this model's drafts have done lately, per match length
         self._turn_marks: dict[int, bool] = {}  # token -> a control or end-of-generation token
         self.drift = drift_cache.recall(backend)  # how far a wide step's rows stray from one-row steps'
+        self.draft_model: DraftModel | None = None  # a second model that drafts (the engine's --draft)
 
     # -- plan and draft -----------------------------------------------------------------
 
     def attach(self, g, cfg: LookupConfig) -> None:
-        """Give g the proposer its request asks for (none with lookup off)."""
-        if not cfg.enabled:
-            return
-        g.proposer = LookupProposer(cfg, self.step_cost, self.acceptance, answer_start=len(g.prompt),
-                                    spelling=self.spelling, control=self.turn_marks(g.prompt))
-        g.exact_greedy = cfg.exact_greedy
+        """Give g the proposers its request asks for: prompt lookup (unless turned off),
+        then the draft model when one is loaded and has a free slot (draft_model.py)."""
+        proposers = []
+        if cfg.enabled:
+            proposers.append(LookupProposer(cfg, self.step_cost, self.acceptance, answer_start=len(g.prompt),
+                                            spelling=self.spelling, control=self.turn_marks(g.prompt)))
+        if self.draft_model is not None:
+            drafter = self.draft_model.proposer(g.prompt, self.step_cost, g.sampler.params.greedy,
+                                                target_params=self.backend.info.n_params)
+            if drafter is not None:
+                proposers.append(drafter)
+        if proposers:
+            g.proposer = proposers[0] if len(proposers) == 1 else FirstOf(*proposers)
+            g.exact_greedy = cfg.exact_greedy
 
     def turn_marks(self, tokens: Sequence[int]) -> frozenset[int]:
         """The control and end-of-generation tokens among `tokens` (a chat template's turn

@@ -201,7 +201,7 @@ def replay(rule: str, prompt: list[int], answer: list[int], session: Session, ma
     """(cost in one-row steps, steps, accepted, drafted) of answering with `rule`. The
     first token comes from the prompt's step, as in the engine; each decode step then
     feeds the pending token and a draft, and yields the draft's agreeing prefix plus one."""
-    from localrun.engine import _common_prefix
+    from localrun.backends.base import common_prefix
     from localrun.speculation.lookup import LookupProposer, LookupConfig
 
     ctrl = (LookupProposer(LookupConfig(), session.step_cost, session.acceptance, answer_start=len(prompt),
@@ -212,7 +212,7 @@ def replay(rule: str, prompt: list[int], answer: list[int], session: Session, ma
     while pos < len(answer):
         history, room = prompt + answer[:pos], max_tokens - pos - 1
         draft = [] if room <= 0 else ngram_simple(history, room) if ctrl is None else ctrl.draft(history, room)
-        kept = _common_prefix(draft, truth[pos:])
+        kept = common_prefix(draft, truth[pos:])
         if ctrl is not None and draft:
             ctrl.record(len(draft), kept)
         # ngram-simple's steps are llama-server's: the engine's StepCost never sees them
