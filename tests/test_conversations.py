@@ -138,6 +138,25 @@ def test_a_store_written_before_versions_opens_and_saves(tmp_path):
     assert store.load(7).messages == [HI, HELLO]
 
 
+def test_a_thinking_models_thinking_is_kept_with_its_answer(tmp_path):
+    """The thinking before an answer (`reasoning_content`) is saved and loaded with it, a
+    regenerated answer's new thinking replaces the old in place, and an answer without
+    thinking loads without the key (a store from before thinking was kept apart opens:
+    test_a_store_written_before_versions_opens_and_saves)."""
+    path = tmp_path / "c.db"
+    store = ConversationStore(path)
+    thought = dict(HELLO, reasoning_content="The user greets me; greet back.")
+    cid = store.save(None, "t", "m", "", [HI, thought])
+    assert store.load(cid).messages == [HI, thought]
+    before = rows(path, cid)
+    rethought = dict(HELLO, reasoning_content="A short greeting will do.")
+    store.save(cid, "t", "m", "", [HI, rethought])
+    assert rows(path, cid) == before  # same rows, same content: only the thinking changed
+    assert store.load(cid).messages == [HI, rethought]
+    store.save(cid, "t", "m", "", [HI, HELLO])
+    assert store.load(cid).messages == [HI, HELLO]
+
+
 def test_conflict_error_survives_pickling():
     e = ConversationConflictError(3, "Line one\nline two")
     assert "\n" not in str(e) and str(pickle.loads(pickle.dumps(e))) == str(e)

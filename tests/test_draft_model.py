@@ -77,6 +77,7 @@ def paying_ratios(most: int, prior_per_row: float = 0.25) -> list[float]:
 def force_paying_prices(engine: Engine) -> None:
     engine.speculator.step_cost.ratios = paying_ratios
     engine.draft_model.step_delta = lambda cost: 0.05
+    engine.draft_model.read_delta = lambda cost: 0.0  # catching the draft slot up costs nothing
 
 
 def draft_logits(hist: list[int]) -> np.ndarray:
@@ -564,6 +565,7 @@ def test_serve_with_a_draft_model_answers_concurrent_requests_as_without(smollm2
         monkeypatch.setenv(var, str(tmp_path / name))
     monkeypatch.setenv(FLASH_ATTN_ENV, "on")
     monkeypatch.setattr(DraftModel, "step_delta", lambda self, cost: 0.05)
+    monkeypatch.setattr(DraftModel, "read_delta", lambda self, cost: 0.0)
     shares, drafts, verdicts = [], [], []
     real_draft, real_record = DraftModelProposer.draft, DraftModelProposer.record
 
@@ -636,3 +638,23 @@ def test_a_declining_draft_model_times_its_step_again(monkeypatch):
     assert model._step_ms < 1e6 * 0.9 ** 2 + 1  # timed twice (8 declines), each pulling the mean down
     assert len(drafter.calls) - before == 2  # one draft decode per retiming, nothing else
     assert drafter.kv_tokens(0) == []  # what the slot held (nothing) is what it holds
+
+
+def test_catching_the_draft_slot_up_is_priced_over_the_steps_left():
+    """Before it drafts, the draft slot reads what it lacks of the history: with paying
+    step prices, a proposer 600 tokens behind whose reading costs a third of a step a
+    token declines when 8 steps are left (75 steps' reading for 8), and drafts when 250
+    are (0.8 a step); once caught up, it drafts with little room left."""
+    drafter = ScriptedBackend(logits_fn=draft_logits, n_ctx=1024)
+    model = DraftModel(drafter, 4)
+    model.step_delta = lambda cost: 0.05
+    model.read_delta = lambda cost: 0.125
+    cost = StepCost()
+    cost.ratios = lambda most, prior=0.25: paying_ratios(most)
+    history = [ord(c) for c in "abc" * 200] + [ord("a")]
+    p = DraftModelProposer(model, 0, cost, greedy=True)
+    assert p.draft(history, 8) == [] and drafter.kv_tokens(0) == []  # declined without reading
+    assert p.draft(history, 250)  # the same reading spread over 250 steps pays
+    assert drafter.kv_tokens(0)[: len(history) - 1] == history[:-1]
+    p.record(1, 1)
+    assert p.draft(history + [ord("b")], 8)  # caught up: a short answer's end drafts too

@@ -16,6 +16,7 @@ from textual.widgets import ProgressBar
 from localrun.cli import build_parser
 from localrun.sampling import SamplingParams
 from localrun.tui.app import ChatApp
+from localrun.tui.thinking_view import ThinkingView
 from localrun.tui.conversations import ConversationStore
 from localrun.tui.help import HelpScreen
 from localrun.tui.history import Conversations
@@ -274,7 +275,8 @@ async def test_resume_a_saved_conversation(tui_env):
     older = store.save(None, "Old chat", SMOL_NAME, "", [{"role": "user", "content": "Hi"},
                                                         {"role": "assistant", "content": "Hello!"}])
     cid = store.save(None, "Colors", SMOL_NAME, "Answer briefly.", [
-        {"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}])
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "Blue.", "reasoning_content": "One color, briefly."}])
     store.close()
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
@@ -287,6 +289,10 @@ async def test_resume_a_saved_conversation(tui_env):
         await pilot.pause()
         assert app.conv_id == cid and app.settings.system == "Answer briefly."
         assert [w.source for w in app.query(".message")] == ["Name a color.", "Blue."]
+        # the saved thinking comes back folded before its answer, and goes to the template again
+        views = list(app.query(ThinkingView))
+        assert [v.text for v in views] == ["One color, briefly."] and views[0].collapsed
+        assert app.messages[1]["reasoning_content"] == "One color, briefly."
 
         await send(pilot, "Another one?")
         await answered(pilot)

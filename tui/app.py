@@ -209,12 +209,15 @@ class ChatApp(SlashCommands, App):
 
     def add_message(self, role: str, text: str) -> Markdown:
         """A message block in the conversation view: user, assistant, error or info."""
-        for w in self.query("#welcome"):
-            w.remove()
+        self._clear_welcome()
         widget = Markdown(text, classes=f"message {role}")
         self.view.mount(widget)
         self.view.anchor()  # follow the bottom while the answer grows, until the user scrolls up
         return widget
+
+    def _clear_welcome(self) -> None:
+        for w in self.query("#welcome"):
+            w.remove()
 
     # -- models ---------------------------------------------------------------------
 
@@ -465,6 +468,9 @@ class ChatApp(SlashCommands, App):
         self.conv_model = conv.model
         self.settings.system = conv.system
         for m in conv.messages:
+            if m.get("reasoning_content"):  # the thinking before the answer, folded as it was shown
+                self._clear_welcome()
+                self.view.mount(ThinkingView(m["reasoning_content"], done=True))
             self.add_message(m["role"], m["content"])
         if conv.model and conv.model != self.session.model_name:
             self.notify(f"Saved with {conv.model}; Ctrl+O switches model.")

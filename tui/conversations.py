@@ -46,7 +46,8 @@ CREATE TABLE IF NOT EXISTS messages (
     conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
     position INTEGER NOT NULL,
     role TEXT NOT NULL,
-    content TEXT NOT NULL
+    content TEXT NOT NULL,
+    reasoning TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, position);
 """
@@ -81,7 +82,7 @@ class Conversation:
     title: str
     model: str = ""
     system: str = ""
-    messages: list[dict] = field(default_factory=list)  # {"role", "content"}
+    messages: list[dict] = field(default_factory=list)  # {"role", "content"[, "reasoning_content"]}
     updated: float = 0.0
     version: int = 0  # what load() read; save(version=...) refuses to overwrite a newer one
 
@@ -114,6 +115,9 @@ class ConversationStore:
                 columns = {row[1] for row in self._db.execute("PRAGMA table_info(conversations)")}
                 if "version" not in columns:  # a store written before versions existed
                     self._db.execute("ALTER TABLE conversations ADD COLUMN version INTEGER NOT NULL DEFAULT 1")
+                if "reasoning" not in {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}:
+                    # a store written before thinking was kept apart: its answers have none
+                    self._db.execute("ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT ''")
         except (OSError, sqlite3.Error) as exc:
             raise LocalrunError(
                 f"cannot open the conversation store {path}: {exc}; set LOCALRUN_DATA to a writable folder"
@@ -180,23 +184,23 @@ class ConversationStore:
 
     def _append(self, cid: int, start: int, messages: list[dict]) -> None:
         self._db.executemany(
-            "INSERT INTO messages (conversation_id, position, role, content) VALUES (?, ?, ?, ?)",
-            [(cid, start + i, m["role"], m["content"]) for i, m in enumerate(messages)])
+            "INSERT INTO messages (conversation_id, position, role, content, reasoning) VALUES (?, ?, ?, ?, ?)",
+            [(cid, start + i, *_row(m)) for i, m in enumerate(messages)])
 
     def _write_changes(self, cid: int, messages: list[dict]) -> None:
         """Rewrite only the rows that differ: an exchange appends two rows, a regenerated
         answer updates one, a shortened conversation drops its tail."""
         stored = self._db.execute(
-            "SELECT position, role, content FROM messages WHERE conversation_id = ? ORDER BY position", (cid,)
-        ).fetchall()
+            "SELECT position, role, content, reasoning FROM messages WHERE conversation_id = ? ORDER BY position",
+            (cid,)).fetchall()
         if [r[0] for r in stored] != list(range(len(stored))):  # gaps or doubles (hand edits): start over
             self._db.execute("DELETE FROM messages WHERE conversation_id = ?", (cid,))
             self._append(cid, 0, messages)
             return
-        changed = [(m["role"], m["content"], cid, i) for i, (m, r) in enumerate(zip(messages, stored))
-                   if (m["role"], m["content"]) != (r[1], r[2])]
+        changed = [(*_row(m), cid, i) for i, (m, r) in enumerate(zip(messages, stored)) if _row(m) != tuple(r[1:])]
         self._db.executemany(
-            "UPDATE messages SET role = ?, content = ? WHERE conversation_id = ? AND position = ?", changed)
+            "UPDATE messages SET role = ?, content = ?, reasoning = ? WHERE conversation_id = ? AND position = ?",
+            changed)
         self._db.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?", (cid, len(messages)))
         self._append(cid, len(stored), messages[len(stored):])
 
@@ -213,13 +217,13 @@ class ConversationStore:
             row = self._db.execute(
                 "SELECT title, model, system, updated, version FROM conversations WHERE id = ?", (cid,)).fetchone()
             msgs = [] if row is None else self._db.execute(
-                "SELECT role, content FROM messages WHERE conversation_id = ? ORDER BY position", (cid,)
+                "SELECT role, content, reasoning FROM messages WHERE conversation_id = ? ORDER BY position", (cid,)
             ).fetchall()
         if row is None:
             raise LocalrunError(f"conversation {cid} does not exist (it may have been deleted)")
         self._seen[cid] = int(row[4])
-        return Conversation(cid, row[0], row[1], row[2], [{"role": r, "content": c} for r, c in msgs],
-                            float(row[3]), int(row[4]))
+        messages = [{"role": r, "content": c, **({"reasoning_content": t} if t else {})} for r, c, t in msgs]
+        return Conversation(cid, row[0], row[1], row[2], messages, float(row[3]), int(row[4]))
 
     def rename(self, cid: int, title: str) -> None:
         """Set a title. A rename is a change other windows must see: it bumps the version
@@ -246,6 +250,12 @@ class ConversationStore:
             "SELECT model FROM conversations WHERE model != '' ORDER BY updated DESC, id DESC LIMIT 1"
         ).fetchone()
         return row[0] if row else None
+
+
+def _row(message: dict) -> tuple[str, str, str]:
+    """A message's columns: role, content, and the thinking before the answer (a thinking
+    model's `reasoning_content`, which the chat shows folded and the template may show)."""
+    return message["role"], message["content"], message.get("reasoning_content") or ""
 
 
 def to_markdown(conv: Conversation) -> str:

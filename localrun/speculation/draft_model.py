@@ -149,6 +149,7 @@ class DraftModel:
         self._free = list(range(backend.n_seq))
         self._step_ms: float | None = None  # a draft decode of one token, decayed mean
         self._declines = 0  # steps that did not draft (see declined)
+        self._read_ms: float | None = None  # a token of a batch the draft model reads (catching up), least seen
         # before the first draft step is timed: its cost by parameter count (a step on a
         # CPU or GPU is mostly reading the weights), with a floor for the per-step overhead
         self._prior_delta: float | None = None
@@ -176,6 +177,13 @@ class DraftModel:
         if self._step_ms is None or target_ms is None:
             return self._prior_delta if self._prior_delta is not None else 0.5
         return self._step_ms / target_ms
+
+    def read_delta(self, cost: StepCost) -> float:
+        """A token the draft model reads in a batch, in the target's one-row steps."""
+        target_ms = cost.one_row_ms()
+        if self._read_ms is None or target_ms is None:
+            return self.step_delta(cost) / 4  # a batch reads a token several times faster than a step
+        return self._read_ms / target_ms
 
     def timed(self, ms: float) -> None:
         self._step_ms = ms if self._step_ms is None else 0.9 * self._step_ms + 0.1 * ms
@@ -218,9 +226,14 @@ class DraftModel:
         widths = tuple(w for w in (1, 2, 4, 8) if w <= n_batch and w < room // 2)
         context = [t % self.vocab for t in range(1000, 1000 + min(32, n_batch, room - widths[-1]))]
         try:
-            for b in (target, self.backend):
-                b.decode([BatchEntry(0, context, 0, 0)])
+            target.decode([BatchEntry(0, context, 0, 0)])
             for r in range(rounds + 1):
+                self.backend.kv_clear(0)
+                t0 = time.perf_counter()
+                self.backend.decode([BatchEntry(0, context, 0, 0)])
+                if r:  # what catching the draft slot up costs a token (see DraftModelProposer.draft)
+                    ms = (time.perf_counter() - t0) * 1000 / len(context)
+                    self._read_ms = ms if self._read_ms is None else min(self._read_ms, ms)
                 for w in widths:
                     target.kv_trim(0, len(context))
                     t0 = time.perf_counter()
@@ -247,6 +260,7 @@ class DraftModelProposer(Proposer):
         self.cost = cost
         self.greedy = greedy
         self._flight: list[float] = []  # the confidences of the draft in flight
+        self._synced = 0  # history tokens the draft slot is known to hold, in order
         self._released = False
         self.widths: list[int] = []  # the lengths offered, for benchmarks and tests
 
@@ -260,9 +274,13 @@ class DraftModelProposer(Proposer):
         costs = self.cost.ratios(share.rows + most, 0.25)
         others = share.tokens - 1
         plain = share.tokens / costs[share.rows]
+        # What the draft slot must read before it drafts (the prompt the first time, then
+        # what lookup's drafts and declined steps added), spread over the steps left, which
+        # `room` bounds: reading 200 tokens of answer unpriced cost an open chat 0.7x.
+        catch_up = self._behind(history) * self.model.read_delta(self.cost) / max(1, room)
 
         def rate(expected: float, k: int) -> float:  # tokens per one-row step of k drafted tokens
-            return (others + expected) / (costs[share.rows + k] + k * delta)
+            return (others + expected) / (costs[share.rows + k] + k * delta + catch_up)
 
         if rate(1 + cal.first_odds(greedy), 1) < plain * MIN_GAIN:
             cal.declined(greedy)
@@ -296,6 +314,13 @@ class DraftModelProposer(Proposer):
         self._flight = confidences[:best_k]
         return tokens[:best_k]
 
+    def _behind(self, history: list[int]) -> int:
+        """How many tokens before the pending one the draft slot lacks."""
+        have = self.model.backend.kv_tokens(self.seq)
+        start = min(self._synced, len(have), len(history) - 1)  # known to match: history only grows
+        self._synced = start + common_prefix(have[start:], history[start:-1])
+        return len(history) - 1 - self._synced
+
     def _sync(self, fed: list[int]) -> None:
         """Make the draft slot's KV hold exactly `fed`: cut what it does not share (or
         clear a window that cannot be cut), read the rest."""
@@ -311,6 +336,7 @@ class DraftModelProposer(Proposer):
         for start in range(keep, len(fed), backend.n_batch):
             chunk = fed[start : start + backend.n_batch]
             backend.decode([BatchEntry(self.seq, chunk, start, 0)])
+        self._synced = len(fed)
 
     def record(self, judged: int, accepted: int) -> None:
         if self._flight:
