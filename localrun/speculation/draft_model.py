@@ -33,8 +33,10 @@ bad stretch is tried again.
 
 **KV.** A draft slot's KV follows the history lazily: before drafting, it is cut back to
 what it shares with the history and the rest is read (the prompt, the first time; the
-tokens a prompt-lookup draft or a plain step added since). A rejected draft's tokens are
-cut the next time. An MLX rotating window that cannot be cut is read afresh.
+tokens a prompt-lookup draft or a plain step added since). That reading is priced too,
+spread over the steps the answer has left: a draft after 200 unread tokens of an open
+chat, unpriced, ran that answer at 0.7x. A rejected draft's tokens are cut the next
+time. An MLX rotating window that cannot be cut is read afresh.
 """
 
 from __future__ import annotations
