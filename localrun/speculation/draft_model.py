@@ -276,15 +276,18 @@ class DraftModelProposer(Proposer):
         costs = self.cost.ratios(share.rows + most, 0.25)
         others = share.tokens - 1
         plain = share.tokens / costs[share.rows]
-        # What the draft slot must read before it drafts (the prompt the first time, then
-        # what lookup's drafts and declined steps added), spread over the steps left, which
-        # `room` bounds: reading 200 tokens of answer unpriced cost an open chat 0.7x.
-        catch_up = self._behind(history) * self.model.read_delta(self.cost) / max(1, room)
+        catch_up = 0.0
 
         def rate(expected: float, k: int) -> float:  # tokens per one-row step of k drafted tokens
             return (others + expected) / (costs[share.rows + k] + k * delta + catch_up)
 
-        if rate(1 + cal.first_odds(greedy), 1) < plain * MIN_GAIN:
+        first = 1 + cal.first_odds(greedy)
+        if rate(first, 1) >= plain * MIN_GAIN:  # only then is reading the slot's backlog worth pricing
+            # What the draft slot must read before it drafts (the prompt the first time, then
+            # what lookup's drafts and declined steps added), spread over the steps left, which
+            # `room` bounds: reading 200 tokens of answer unpriced cost an open chat 0.7x.
+            catch_up = self._behind(history) * self.model.read_delta(self.cost) / max(1, room)
+        if rate(first, 1) < plain * MIN_GAIN:
             cal.declined(greedy)
             self.model.declined(self.seq)
             return []
