@@ -18,9 +18,14 @@ def attention_scores_bytes(n_ubatch: int, n_ctx_total: int, n_head: int) -> int:
     return n_ubatch * n_ctx_total * n_head * 4
 
 
+MEASURE = "measure"
+
+
 def flash_attention_choice(kv_cache_type: str, on_cpu: bool, score_bytes: int) -> str:
-    """"on", "off" or "auto" (llama.cpp decides). A quantized cache needs it on; on the
-    CPU an f16 cache is faster without it, while the scores it then keeps stay small."""
+    """"on", "off", "auto" (llama.cpp decides) or MEASURE (time both on this machine:
+    backends/attention_timing.py). A quantized cache needs it on; on the CPU, an f16 cache
+    is faster with one or the other by model, CPU and threads, while the scores that
+    attending without it keeps stay small."""
     forced = os.environ.get(FLASH_ATTN_ENV, "").strip().lower()
     if forced in ("on", "off", "auto"):
         if forced == "off" and kv_cache_type != "f16":
@@ -31,4 +36,4 @@ def flash_attention_choice(kv_cache_type: str, on_cpu: bool, score_bytes: int) -
         raise ModelLoadError(f"{FLASH_ATTN_ENV}={forced!r}: use on, off or auto")
     if kv_cache_type != "f16":
         return "on"
-    return "off" if on_cpu and score_bytes <= CPU_SCORES_MAX_BYTES else "auto"
+    return MEASURE if on_cpu and score_bytes <= CPU_SCORES_MAX_BYTES else "auto"

@@ -14,15 +14,13 @@ and test_generation.py::test_two_generations_stepped_together_match_solo catch i
 bytes per 32 values instead of 64). llama.cpp attends over a quantized V only inside its
 flash-attention kernel, so flash attention is switched on for those.
 
-With an f16 cache on the CPU, flash attention is switched off (`flash_attention_choice`):
-llama.cpp's automatic choice turns it on wherever the device has the kernel, and its CPU
-kernel is the slower path there, the more so the longer the context and the wider the
-step. Measured with llama-bench at one thread on this project's CPU (tok/s, off / on):
-SmolLM2-135M one token at depth 650 49 / 33 and at 2000 35 / 16, 49 tokens at depth 650
-161 / 55; Qwen2.5-0.5B 14.1 / 11.2 and 89 / 38; Gemma-3-270M (head size 256,
-sliding-window layers) 26.1 / 27.0 and 272 / 254. Without it llama.cpp keeps the
-attention scores of a micro-batch (n_ubatch x context x heads floats), so it stays on
-when those would pass `CPU_SCORES_MAX_BYTES`. On a GPU llama.cpp's choice stands.
+With an f16 cache on the CPU, flash attention is on or off by what it timed on this
+machine for this model at the thread counts it may run with (backends/attention_timing.py;
+`localrun doctor` lists the timings): its CPU kernel was the slower one at one thread in
+llama-bench (SmolLM2-135M, one token at depth 650: 49 tok/s off, 33 on) and the faster one
+at two (90 off, 110 on at depth 832). Without it llama.cpp keeps the attention scores of a
+micro-batch (n_ubatch x context x heads floats), so it stays llama.cpp's choice when those
+would pass `CPU_SCORES_MAX_BYTES`. On a GPU llama.cpp's choice stands.
 `LOCALRUN_FLASH_ATTN=on|off|auto` overrides all of this.
 """
 
@@ -40,9 +38,10 @@ import numpy as np
 from localrun.cluster import rpc
 from localrun.errors import BackendUnavailableError, CacheNotTrimmableError, DecodeError, ModelLoadError
 from localrun.model.formats import file_type_name
-from localrun.hardware import OthersLoad, fitted_threads
+from localrun.hardware import OthersLoad, fitted_threads, inference_threads
 
-from .attention import attention_scores_bytes, flash_attention_choice
+from . import attention_timing
+from .attention import MEASURE, attention_scores_bytes, flash_attention_choice
 from .base import BackendOptions, BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
 
 try:
@@ -139,21 +138,15 @@ class LlamaCppBackend:
         self.n_batch = int(min(n_batch, self.n_ctx * self.n_seq))
         threads = int(threads) if threads else fitted_threads(self._load.busy_cores(wait=True))
 
-        cparams = _lc.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx * self.n_seq
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = self.n_seq
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.kv_unified = False  # see the module docstring
-        cparams.no_perf = True
         # This machine's devices decide, for RPC workers too (llama.cpp cannot say what a
         # worker computes on): a split model then attends, and answers, as it does here.
         on_cpu = n_gpu_layers == 0 or not rpc.local_gpus()
         scores = attention_scores_bytes(self.n_batch, self.n_ctx * self.n_seq, _lc.llama_model_n_head(model))
+        self.attention_timing: attention_timing.AttentionTiming | None = None  # what a measured choice rests on
         self.flash_attn = flash_attention_choice(self.kv_cache_type, on_cpu, scores)
-        _set_attention(cparams, self.kv_cache_type, self.flash_attn)
+        if self.flash_attn == MEASURE:
+            self.flash_attn = self._measured_flash_attention(model, path, threads, o.cluster)
+        cparams = self._context_params(self.flash_attn, self.n_ctx * self.n_seq, self.n_batch, threads, self.n_seq)
         ctx = _lc.llama_init_from_model(model, cparams)
         if not ctx:
             self.close()
@@ -177,6 +170,42 @@ class LlamaCppBackend:
         self._piece_buf = ctypes.create_string_buffer(256)
         self._pieces: dict[int, bytes] = {}
         self.info = self._read_info(path, n_ctx_train)
+
+    def _context_params(self, flash_attn: str, n_ctx: int, n_batch: int, threads: int, n_seq: int = 1):
+        cparams = _lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.kv_unified = False  # see the module docstring
+        cparams.no_perf = True
+        _set_attention(cparams, self.kv_cache_type, flash_attn)
+        return cparams
+
+    def _measured_flash_attention(self, model, path: str, threads: int, cluster) -> str:
+        """"on" or "off", whichever decodes this model faster here (backends/attention_timing.py).
+        The context keeps its setting for life, while the load-following threads may
+        change the count under it: the choice is the one for the count it starts with,
+        which is the count of an idle machine (all cores) unless others were busy at load,
+        and it is what every answer gets while the machine stays as it is. A model split
+        over RPC workers is not timed (its steps cross the network): it takes what this
+        machine measured for the model before, else attends without flash attention."""
+        if cluster is not None:
+            known = attention_timing.recall(path, self.kv_cache_type, threads)
+            return known.winner if known else "off"
+
+        def time_both(counts: list[int]) -> list[attention_timing.AttentionTiming]:
+            def make_context(setting: str, n_ctx: int, n_batch: int, t: int):
+                return _lc.llama_init_from_model(model, self._context_params(setting, n_ctx, n_batch, t))
+
+            return attention_timing.measure(_lc, model, self.n_vocab, make_context, counts)
+
+        try:
+            self.attention_timing = attention_timing.choose(path, self.kv_cache_type, threads, inference_threads(),
+                                                            time_both)
+        except RuntimeError as e:  # llama.cpp refused a timing context
+            _log.info("could not time flash attention (%s): attending without it", e)
+        return self.attention_timing.winner if self.attention_timing else "off"  # untimed: the old rule
 
     # -- devices (llama.cpp RPC workers) ------------------------------------------
 

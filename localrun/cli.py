@@ -129,7 +129,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         if args.verbose and last is not None and last.timings is not None:
             print_timings(last.timings)
+            print_attention(engine.backend)
     return 0
+
+
+def print_attention(backend) -> None:
+    """Which attention kernel a llama.cpp model answered with, and the timing it rests on."""
+    choice = getattr(backend, "flash_attn", None)
+    if choice is None:  # MLX: one kernel
+        return
+    timing = getattr(backend, "attention_timing", None)
+    print(f"attention:            {timing.explain() if timing else f'flash attention {choice}'}", file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from localrun.errors import BadRequestError, LocalrunError
 from localrun.hardware import GIB, Hardware, format_bytes, probe
 from localrun.backends.base import DEFAULT_N_BATCH
 from localrun.model.formats import KV_CACHE_TYPES, kv_bytes_per_element, quality_rank
-from localrun.backends.attention import attention_scores_bytes, flash_attention_choice
+from localrun.backends.attention import MEASURE, attention_scores_bytes, flash_attention_choice
 
 MIB = 1 << 20
 # The llama.cpp backend's micro-batch: n_ubatch = n_batch, by default DEFAULT_N_BATCH (what
@@ -182,12 +182,12 @@ def compute_bytes(shape: ModelShape, n_ctx: int, on_gpu: bool) -> int:
 
 def cpu_scores_bytes(shape: ModelShape, n_ctx: int, kv_type: str, n_seq: int, budget: "Budget") -> int:
     """The attention scores of one micro-batch, which llama.cpp keeps when flash attention
-    is off: the llama.cpp backend turns it off for an f16 cache on a machine without a GPU
-    (backends/llamacpp.py says why)."""
+    is off: for an f16 cache on a machine without a GPU the llama.cpp backend may turn it
+    off (where timing says it is faster: backends/attention_timing.py), so they count."""
     if shape.backend != "llama.cpp" or budget.vram > 0:
         return 0
     scores = attention_scores_bytes(N_UBATCH, n_ctx * n_seq, shape.n_head)
-    return scores if flash_attention_choice(kv_type, on_cpu=True, score_bytes=scores) == "off" else 0
+    return scores if flash_attention_choice(kv_type, on_cpu=True, score_bytes=scores) in ("off", MEASURE) else 0
 
 
 @dataclass(frozen=True)
@@ -305,13 +305,15 @@ def cpu_repacks(hw: Hardware) -> bool:
 
 
 def largest_context(shape: ModelShape, weights: int, budget: Budget, kv_type: str = "f16",
-                    quant: str = "?", n_seq: int = 1) -> Estimate | None:
-    """The longest context (a multiple of 256, at most the trained one) that fits, or None."""
+                    quant: str = "?", n_seq: int = 1, draft: Path | None = None) -> Estimate | None:
+    """The longest context (a multiple of 256, at most the trained one) that fits, or None.
+    `draft`: a --draft model, which takes the same context and slots (without_draft)."""
     lo, hi = 0, max(1, shape.n_ctx_train // 256)
     best = None
     while lo < hi:  # find the largest k with a fitting estimate at k * 256
         mid = (lo + hi + 1) // 2
-        est = estimate(shape, weights, mid * 256, budget, kv_type, quant, n_seq)
+        left = budget if draft is None else without_draft(budget, draft, mid * 256, kv_type, n_seq)[0]
+        est = estimate(shape, weights, mid * 256, left, kv_type, quant, n_seq)
         if est.fits:
             lo, best = mid, est
         else:
@@ -416,14 +418,15 @@ def split_estimate(shape: ModelShape, est: Estimate, local_free: int, workers: l
             for i in range(len(holders))]
 
 
-def without_draft(budget: Budget, draft: Path, n_ctx: int | None, kv_type: str = "f16") -> tuple[Budget, Estimate]:
+def without_draft(budget: Budget, draft: Path, n_ctx: int | None, kv_type: str = "f16",
+                  n_seq: int = 1) -> tuple[Budget, Estimate]:
     """The budget left for a model once its --draft model (weights, KV at the same
-    context, buffers) has its share, and the draft's estimate: on the GPU when it fits
-    there whole (it is placed first: a draft that spills to the CPU would cost more than
-    it saves), else in RAM."""
+    context and slots, buffers: Engine.load_draft gives it the model's n_ctx and n_seq)
+    has its share, and the draft's estimate: on the GPU when it fits there whole (it is
+    placed first: a draft that spills to the CPU would cost more than it saves), else in RAM."""
     shape = model_shape(draft)
     ctx = int(n_ctx or min(4096, shape.n_ctx_train))
-    est = estimate(shape, weights_bytes(draft), ctx, budget, kv_type, "draft")
+    est = estimate(shape, weights_bytes(draft), ctx, budget, kv_type, "draft", n_seq)
     on_gpu = est.verdict == "Full GPU"
     ram = budget.ram - (est.total if not on_gpu or budget.unified else 0)
     vram = budget.vram - (est.total if on_gpu else 0)
@@ -459,4 +462,4 @@ def memory_from_env() -> Budget | None:
 
 __all__ = ["Budget", "Choice", "DeviceShare", "Estimate", "ModelShape", "VERDICTS", "choose", "estimate",
            "fit_verdict", "kv_cache_bytes", "kv_layer_bytes", "largest_context", "model_shape", "shape_from_gguf",
-           "shape_from_mlx_config", "split_estimate", "weights_bytes"]
+           "shape_from_mlx_config", "split_estimate", "weights_bytes", "without_draft"]

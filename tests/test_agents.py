@@ -1,4 +1,5 @@
-"""The real coding agents work against `localrun serve` with no flag beyond --model and --alias.
+"""The real coding agents work against `localrun serve` with no flag beyond --model, --alias
+and --temp 0.
 
 Claude Code (`claude -p`, Anthropic Messages) and Codex CLI (`codex exec`, OpenAI
 Responses), installed from npm by scripts/install_agents.sh, each complete a turn, and
@@ -7,6 +8,10 @@ Qwen2.5-Coder-0.5B, served with its trained 32k context (no --ctx). A 0.5B model
 tool reliably only when the prompt names the tool and its arguments ("steered"), and it
 does not reliably stop calling tools after: the tool tests check that the call was
 parsed and run by the agent (the file exists with its content), and stop the agent there.
+
+--temp 0 makes every request greedy that sends no temperature: Codex sends none (Claude
+Code is sent temperature 0 through CLAUDE_CODE_EXTRA_BODY as well), so each session
+answers the same way every run, and a test runs one session, with no retries.
 
 Cost on the 2-core test machine: Codex's first request is ~10k tokens of instructions and
 tool schemas (read once; its second run finds them in the prefix cache), Claude Code's with
@@ -40,7 +45,8 @@ def agents() -> Path:
 
 @pytest.fixture(scope="module")
 def server(qwen_coder_gguf):
-    srv = Server("--model", str(qwen_coder_gguf), "--parallel", "2", "--alias", f"claude-*={QWEN}")
+    # --temp 0: greedy for every request that sends no temperature (Codex sends none)
+    srv = Server("--model", str(qwen_coder_gguf), "--parallel", "2", "--alias", f"claude-*={QWEN}", "--temp", "0")
     yield srv
     srv.stop()
 
@@ -108,15 +114,9 @@ def codex(agents: Path, server, work: Path, prompt: str, *flags: str, done=None,
 
 
 def test_codex_completes_a_turn(agents, server, tmp_path):
-    """Codex sends no temperature, so the model samples; a session in which it calls
-    tools instead of answering is stopped and a new one samples again: up to three."""
-    for attempt in range(3):
-        work = tmp_path / f"session{attempt}"
-        work.mkdir()
-        events, _ = codex(agents, server, work, 'Reply with the single word "hi". Do not run any command.',
-                          timeout=200)
-        if events and events[-1]["type"] == "turn.completed":
-            break
+    """Codex sends no temperature; the server's --temp 0 makes the model's answer greedy,
+    so one session answers the same way every run."""
+    events, _ = codex(agents, server, tmp_path, 'Reply with the single word "hi". Do not run any command.')
     assert events and events[-1]["type"] == "turn.completed", events[-3:]
     messages = [e["item"]["text"] for e in events
                 if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
@@ -125,23 +125,16 @@ def test_codex_completes_a_turn(agents, server, tmp_path):
 
 
 def test_codex_runs_the_shell_command_the_model_called(agents, server, tmp_path):
-    """Codex sends no temperature, so the model samples: about one session in three, it
-    adds a `justification` argument without `sandbox_permissions`, which Codex's own policy
-    refuses (and the model then repeats). A new session samples again: up to four. The
-    first reads Codex's ~10k-token instructions cold (~110 s on an idle 2-core CPU; a busy
-    one took over 150 s), the others find them cached."""
-    sessions = []
-    for attempt in range(4):
-        work = tmp_path / f"session{attempt}"
-        work.mkdir()
-        _, items = codex(agents, server, work, 'Call exec_command with exactly these arguments:'
-                         ' {"cmd": "echo hi > hello.txt"}', "--dangerously-bypass-approvals-and-sandbox",
-                         done=lambda w: (w / "hello.txt").exists(), timeout=300 if attempt == 0 else 150)
-        calls = [json.loads(i["arguments"]) for i in items
-                 if i.get("type") == "function_call" and i.get("name") == "exec_command"]
-        sessions.append(calls[:2])
-        if (work / "hello.txt").exists():
-            break
-    assert (work / "hello.txt").exists(), sessions  # the calls the model made in each session
-    assert (work / "hello.txt").read_text().strip() == "hi", sessions
-    assert any("hello.txt" in c.get("cmd", "") for c in calls), sessions
+    """Codex sends no temperature; the server's --temp 0 makes the model's call greedy, so
+    one session makes the same call every run (sampled, about one session in three added a
+    `justification` argument that Codex's own policy refuses). When it runs after the test
+    above, it finds Codex's ~10k-token instructions in the prefix cache; alone, it reads
+    them cold (~110 s on an idle 2-core CPU, over 150 s on a busy one)."""
+    _, items = codex(agents, server, tmp_path, 'Call exec_command with exactly these arguments:'
+                     ' {"cmd": "echo hi > hello.txt"}', "--dangerously-bypass-approvals-and-sandbox",
+                     done=lambda w: (w / "hello.txt").exists())
+    calls = [json.loads(i["arguments"]) for i in items
+             if i.get("type") == "function_call" and i.get("name") == "exec_command"]
+    assert (tmp_path / "hello.txt").exists(), calls[:2]  # the calls the model made
+    assert (tmp_path / "hello.txt").read_text().strip() == "hi", calls[:2]
+    assert any("hello.txt" in c.get("cmd", "") for c in calls), calls[:2]

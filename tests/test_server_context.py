@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from localrun.errors import BadRequestError
-from localrun.quant.selector import Budget, estimate, model_shape, weights_bytes
+from localrun.hardware import format_bytes
+from localrun.quant.selector import Budget, estimate, kv_cache_bytes, model_shape, weights_bytes, without_draft
 from localrun.server.context import FALLBACK_CTX, served_context
 from serving import Server
 
@@ -54,6 +55,57 @@ def test_an_asked_context_is_bounded_by_training_and_memory(qwen_coder_gguf, mon
         served_context(str(qwen_coder_gguf), n_seq=1, asked=40000)
     with pytest.raises(BadRequestError, match=r"does not fit in this machine's memory.*at most \d+ fits with 4 slots"):
         served_context(str(qwen_coder_gguf), n_seq=4, asked=32768)
+
+
+def fits_beside(draft, path, n_ctx: int, gb: float, n_seq: int) -> bool:
+    """Whether the model fits at n_ctx once its draft model, at the same context and
+    slots (Engine.load_draft), has had its share."""
+    left, _ = without_draft(Budget(int(gb * (1 << 30)), 0, False, "--memory", True), draft, n_ctx, n_seq=n_seq)
+    return estimate(model_shape(path), weights_bytes(path), n_ctx, left, n_seq=n_seq).fits
+
+
+def test_a_draft_model_takes_its_share_before_the_context_is_chosen(qwen_coder_15b_gguf, qwen_coder_gguf,
+                                                                    monkeypatch):
+    monkeypatch.setenv("LOCALRUN_MEMORY_GB", "6")
+    alone = served_context(str(qwen_coder_15b_gguf), n_seq=4)
+    choice = served_context(str(qwen_coder_15b_gguf), n_seq=4, draft=str(qwen_coder_gguf))
+    assert 256 <= choice.n_ctx < alone.n_ctx and choice.n_ctx % 256 == 0
+    # the draft's weights, its own KV for every slot at the model's context, its buffers
+    assert fits_beside(qwen_coder_gguf, qwen_coder_15b_gguf, choice.n_ctx, 6, 4)
+    assert not fits_beside(qwen_coder_gguf, qwen_coder_15b_gguf, choice.n_ctx + 256, 6, 4)
+    assert fits(qwen_coder_15b_gguf, choice.n_ctx + 256, 6, 4)  # it is the draft that made the difference
+    draft_kv = kv_cache_bytes(model_shape(qwen_coder_gguf), choice.n_ctx, n_seq=4)
+    assert f"after the draft model ({format_bytes(weights_bytes(qwen_coder_gguf))} weights" in choice.why
+    assert f" + {format_bytes(draft_kv)} KV + " in choice.why
+    # a request's larger context is judged with the draft model too
+    assert served_context(str(qwen_coder_15b_gguf), n_seq=4, asked=choice.n_ctx,
+                          draft=str(qwen_coder_gguf)).n_ctx == choice.n_ctx
+    with pytest.raises(BadRequestError, match=f"at most {choice.n_ctx} fits with 4 slots and the draft model"):
+        served_context(str(qwen_coder_15b_gguf), n_seq=4, asked=alone.n_ctx, draft=str(qwen_coder_gguf))
+    # --ctx still wins
+    assert served_context(str(qwen_coder_15b_gguf), n_seq=4, fixed=1000, draft=str(qwen_coder_gguf)).n_ctx == 1000
+
+
+def test_a_draft_model_that_cannot_pair_is_not_counted(qwen_coder_15b_gguf, smollm2_gguf, monkeypatch):
+    monkeypatch.setenv("LOCALRUN_MEMORY_GB", "6")
+    alone = served_context(str(qwen_coder_15b_gguf), n_seq=4)
+    choice = served_context(str(qwen_coder_15b_gguf), n_seq=4, draft=str(smollm2_gguf))  # 49k tokens, not 151k
+    assert choice.n_ctx == alone.n_ctx and "no draft model (it does not pair with this model)" in choice.why
+
+
+def test_serve_counts_its_draft_model_and_says_so_at_start(qwen_coder_15b_gguf, qwen_coder_gguf, monkeypatch,
+                                                          capsys):
+    from localrun.commands.serve import _announce_contexts
+    from localrun.server.models import ModelManager
+
+    monkeypatch.setenv("LOCALRUN_MEMORY_GB", "6")
+    manager = ModelManager([str(qwen_coder_15b_gguf)], n_ctx=None, parallel=4, threads=1, max_queue=4,
+                           draft=str(qwen_coder_gguf))
+    expected = served_context(str(qwen_coder_15b_gguf), n_seq=4, draft=str(qwen_coder_gguf))
+    assert manager.context_for(str(qwen_coder_15b_gguf)) == expected
+    _announce_contexts(manager)
+    line = capsys.readouterr().err
+    assert f": context {expected.n_ctx} tokens per request (" in line and "after the draft model (" in line
 
 
 @pytest.fixture(scope="module")

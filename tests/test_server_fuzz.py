@@ -112,7 +112,7 @@ def _gbnf_expr(depth: int = 0):
 @st.composite
 def gbnf(draw) -> str:
     rules = draw(st.lists(_gbnf_expr(), min_size=1, max_size=3))
-    lines = [f"root ::= r0"] + [f"r{i} ::= {expr}" for i, expr in enumerate(rules)]
+    lines = ["root ::= r0"] + [f"r{i} ::= {expr}" for i, expr in enumerate(rules)]
     if draw(st.booleans()) and len(rules) > 1:  # a rule that refers to others, maybe recursively
         lines[-1] += f" | r{draw(st.integers(0, len(rules) - 1))} r{len(rules) - 1}"
     return "\n".join(lines)

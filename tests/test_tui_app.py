@@ -15,7 +15,7 @@ from textual.widgets import ProgressBar
 
 from localrun.cli import build_parser
 from localrun.sampling import SamplingParams
-from localrun.tui.app import ChatApp
+from localrun.tui.app import ChatApp, ChatOpener
 from localrun.tui.thinking_view import ThinkingView
 from localrun.tui.conversations import ConversationStore
 from localrun.tui.help import HelpScreen
@@ -65,8 +65,9 @@ _made: list[ChatApp] = []
 def make_app(model: str = SMOL_NAME, *flags: str, ctx: int = 512) -> ChatApp:
     argv = ["chat", model, "--temperature", "0", "--max-tokens", "12", *flags]
     args = build_parser().parse_args(argv)
+    opener = ChatOpener.from_args(args) if "--draft" in flags else None  # run_chat's opener, for --draft
     app = ChatApp(
-        ChatSession(n_ctx=ctx, threads=2),
+        ChatSession(n_ctx=ctx, threads=2, **({"opener": opener} if opener else {})),
         settings_from_args(args),
         ConversationStore.open(),
         resolve(model),
@@ -229,6 +230,40 @@ async def test_switch_model_in_the_picker(tui_env):
         await send(pilot, f"/model {SMOL_NAME}")
         await loaded(pilot)
         assert app.session.model_name == SMOL_NAME
+
+
+async def test_a_draft_model_sits_out_a_model_it_does_not_pair_with(tui_env, smollm2_gguf, monkeypatch):
+    """--draft: switching to a model of another vocabulary loads it without the draft
+    model (as serve does) and says why in one notice; switching back drafts again."""
+    from localrun.speculation.draft_model import DraftModel
+
+    # the pair's step prices, timed at load, are not what this checks (and take long on a busy CPU)
+    monkeypatch.setattr(DraftModel, "measure", lambda self, target, cost, rounds=2: None)
+    app = make_app(SMOL_NAME, "--draft", str(smollm2_gguf))  # SmolLM2 pairs with itself
+    notices = []
+    monkeypatch.setattr(app, "notify", lambda message, **kw: notices.append((message, kw.get("severity"))))
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot)
+        assert app.session.engine.draft_model is not None and not notices
+
+        await send(pilot, f"/model {GEMMA_NAME}")
+        await loaded(pilot)
+        assert app.session.model_name == GEMMA_NAME and not app.query(".error")
+        assert app.session.engine.info.architecture.startswith("gemma")
+        assert app.session.engine.draft_model is None
+        assert str(app.status.render()).startswith("gemma-3-270m-GGUF:Q4_K_M │")
+        ((notice, severity),) = notices
+        assert severity == "warning" and "\n" not in notice
+        assert notice.startswith(f"{GEMMA_NAME} runs without the draft model: {smollm2_gguf.name} cannot draft for")
+        app.settings.max_tokens = 4
+        await send(pilot, "Hello")
+        await answered(pilot)
+        assert app.messages[-1]["role"] == "assistant"
+
+        await send(pilot, f"/model {SMOL_NAME}")
+        await loaded(pilot)
+        assert app.session.model_name == SMOL_NAME
+        assert app.session.engine.draft_model is not None and len(notices) == 1
 
 
 async def test_sampler_panel_applies_values_and_rejects_bad_ones_inline(tui_env):

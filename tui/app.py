@@ -17,7 +17,6 @@ and dimmed above its answer (thinking_view.py) and kept with it as the message's
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -30,9 +29,11 @@ from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Markdown, ProgressBar
 
+from localrun.backends.base import BackendOptions
 from localrun.commands.draft import draft_options
 from localrun.engine import Engine
 from localrun.errors import LocalrunError, ModelNotFoundError
+from localrun.speculation.draft_model import DRAFT_MAX, DraftPairError
 
 from .conversations import Conversation, ConversationConflictError, ConversationStore, default_title
 from .commands import SlashCommands
@@ -91,9 +92,45 @@ class AnswerDone(Message):
 
 
 class ModelLoaded(Message):
-    def __init__(self, name: str, error: LocalrunError | None = None) -> None:
+    def __init__(self, name: str, error: LocalrunError | None = None, without_draft: str | None = None) -> None:
         super().__init__()
         self.name, self.error = name, error
+        self.without_draft = without_draft  # why the --draft model does not draft for this one
+
+
+class ChatOpener:
+    """Opens each model the chat loads (ChatSession's opener): with the --chat-template
+    FILE, --trust-remote-code, the --rpc workers, and the --draft model where it pairs. A
+    model the draft model does not pair with opens without it, as under `serve`, and
+    `without_draft` then holds the pairing error, one line (None after a load that
+    drafts, or with no --draft); switching back to a model it pairs with drafts again."""
+
+    def __init__(self, chat_template: str | None = None, trust_remote_code: bool = False, cluster=None,
+                 draft: str | None = None, draft_max: int = DRAFT_MAX) -> None:
+        self.chat_template, self.trust_remote_code, self.cluster = chat_template, trust_remote_code, cluster
+        self.draft, self.draft_max = draft, draft_max
+        self.without_draft: str | None = None
+
+    @classmethod
+    def from_args(cls, args) -> "ChatOpener":
+        return cls(getattr(args, "chat_template", None), getattr(args, "trust_remote_code", False),
+                   getattr(args, "cluster", None), **draft_options(args))
+
+    def __call__(self, path, **fields) -> Engine:
+        """Engine.open's `fields` (n_ctx, threads, kv_cache_type, ...) for `path`."""
+        self.without_draft = None
+        options = BackendOptions(trust_remote_code=self.trust_remote_code, cluster=self.cluster, **fields)
+        engine = Engine.open(path, options, chat_template=self.chat_template)
+        if self.draft is None:
+            return engine
+        try:
+            engine.load_draft(self.draft, self.draft_max, options)  # as Engine.open(draft=...) does
+        except DraftPairError as exc:
+            self.without_draft = str(exc)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
 
 
 class ChatApp(SlashCommands, App):
@@ -240,8 +277,8 @@ class ChatApp(SlashCommands, App):
             self.post_message(ModelLoaded(name, exc))
         except Exception as exc:  # a backend bug must not take the chat down with it
             self.post_message(ModelLoaded(name, LocalrunError(f"loading {name} failed: {exc!r}")))
-        else:
-            self.post_message(ModelLoaded(name))
+        else:  # a --draft model that does not pair with this one: the opener loaded it without
+            self.post_message(ModelLoaded(name, without_draft=getattr(self.session.opener, "without_draft", None)))
 
     def on_model_loaded(self, msg: ModelLoaded) -> None:
         self.loading = False
@@ -257,6 +294,9 @@ class ChatApp(SlashCommands, App):
         self._initial_model = None
         engine = self.session.engine
         self.status.update_values(model=msg.name, quant=self.session.quant, state="", n_ctx=engine.n_ctx)
+        if msg.without_draft:
+            self.notify(f"{msg.name} runs without the draft model: {msg.without_draft}", severity="warning",
+                        timeout=10)
 
     def action_models(self) -> None:
         def chosen(model) -> None:
@@ -506,10 +546,7 @@ def run_chat(args, interactive: bool | None = None) -> int:
     app = None
     try:
         # --chat-template FILE replaces the template of every model this chat opens
-        opener = functools.partial(Engine.open, chat_template=getattr(args, "chat_template", None),
-                                   trust_remote_code=getattr(args, "trust_remote_code", False),
-                                   cluster=getattr(args, "cluster", None), **draft_options(args))
-        session = ChatSession(n_ctx=args.ctx, threads=args.threads, opener=opener,
+        session = ChatSession(n_ctx=args.ctx, threads=args.threads, opener=ChatOpener.from_args(args),
                               kv_cache_type=getattr(args, "kv_cache_type", "f16"))
         app = ChatApp(session, settings, store, initial_model(args, store))
         app.run()

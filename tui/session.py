@@ -58,7 +58,7 @@ class ChatSession:
         self.kv_cache_type = kv_cache_type
         self.n_ctx = n_ctx
         self.threads = threads
-        self._open = opener
+        self.opener = opener
         self.engine: Engine | None = None
         self.model_name = ""
         self.model_path: Path | None = None
@@ -72,7 +72,7 @@ class ChatSession:
                 self.engine = None
                 self.model_name = ""
             threads = None if Path(path).is_dir() else self.threads  # MLX sizes its own thread pool
-            self.engine = self._open(path, n_ctx=self.n_ctx, threads=threads, kv_cache_type=self.kv_cache_type)
+            self.engine = self.opener(path, n_ctx=self.n_ctx, threads=threads, kv_cache_type=self.kv_cache_type)
             self.model_path = Path(path)
             self.model_name = name or display_name(Path(path))
 

@@ -9,6 +9,7 @@ import sys
 
 from ..errors import BadRequestError
 from ..server.reasoning_options import add_reasoning_flags
+from ..server.sampling_options import add_sampling_defaults_flags
 
 DEFAULT_PORT = 11435
 
@@ -20,9 +21,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..server.keep_alive import parse_keep_alive
     from ..server.models import ModelManager, display_name
     from ..server.reasoning_options import reasoning_defaults
+    from ..server.sampling_options import sampling_defaults
     from ..server.shutdown import BoundedServer
 
     reasoning = reasoning_defaults(args)  # a bad --reasoning-budget fails before any model loads
+    sampling = sampling_defaults(args)  # as a bad --temp does
     if args.parallel < 1:
         raise BadRequestError(f"--parallel must be at least 1, got {args.parallel}")
     if args.ctx is not None and args.ctx < 16:
@@ -57,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _log_to_stderr(args.log_level)
     _announce_contexts(manager)
     app = build_app(manager, _is_loopback(args.host), args.cors_origin, args.api_key, args.max_body, args.host,
-                    reasoning=reasoning)
+                    reasoning=reasoning, sampling=sampling)
     print(f"localrun serving on http://{args.host}:{args.port} (OpenAI /v1, Ollama /api, llama-server)",
           file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
@@ -165,6 +168,7 @@ def add_commands(sub) -> None:
                    help="a Jinja chat template used instead of every served model's own (as llama-server's"
                    " --chat-template-file), e.g. one that renders tools for a model whose template has none")
     add_reasoning_flags(p)
+    add_sampling_defaults_flags(p)
     p.add_argument("--keep-alive", default="5m", help="unload a model idle this long (Ollama syntax; -1 = never)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",

@@ -299,6 +299,23 @@ def backend_report() -> list[tuple[str, str]]:
     return rows
 
 
+def flash_attention_rows() -> list[list[str]]:
+    """What the llama.cpp backend timed on this machine (backends/attention_timing.py)."""
+    from localrun.backends.attention import FLASH_ATTN_ENV
+
+    forced = os.environ.get(FLASH_ATTN_ENV)
+    if forced:
+        return [["flash attn", f"{FLASH_ATTN_ENV}={forced} decides for every model"]]
+    try:
+        from localrun.backends.attention_timing import remembered
+        timed = remembered()
+    except Exception as exc:  # llama.cpp unusable: its row above says why
+        return [["flash attn", f"unknown: {exc}"]]
+    if not timed:
+        return [["flash attn", "timed per model at its first load on the CPU (none yet)"]]
+    return [["flash attn", f"{name}: {t.explain()}"] for name, t in timed]
+
+
 def cmd_doctor(args) -> int:
     from localrun.hardware import probe
     from localrun.store.local import hf_cache_dir, lmstudio_dirs, models_dir
@@ -315,6 +332,7 @@ def cmd_doctor(args) -> int:
         rows.append(["gpu", "none found (no NVIDIA driver or Apple GPU): models run on the CPU"])
     for name, state in backend_report():
         rows.append([name, state])
+    rows += flash_attention_rows()
     rows += [["models", str(models_dir())], ["hf cache", str(hf_cache_dir())],
              ["lm studio", os.pathsep.join(str(p) for p in lmstudio_dirs())],
              ["hub", _hub_endpoint()]]

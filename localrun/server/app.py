@@ -52,9 +52,12 @@ def build_app(
     body_limit: int = 8 * 1024 * 1024,
     bound_host: str = "",
     reasoning=None,
+    sampling: dict | None = None,
 ):
     """`reasoning`: the server's default reasoning controls (a Reasoning, from
-    reasoning_options.reasoning_defaults); a request's own controls win."""
+    reasoning_options.reasoning_defaults); `sampling`: its default sampler values
+    (SamplingParams fields, from sampling_options.sampling_defaults). A request's own
+    controls and values win."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         async def reap_forever():
@@ -79,4 +82,5 @@ def build_app(
     app.state.localrun = ServerState(manager, body_limit)
     if reasoning is not None:
         app.state.localrun.reasoning = reasoning
+    app.state.localrun.sampling = dict(sampling or {})
     return Guard(LeaseScope(app), loopback, origins, api_key, bound_host)

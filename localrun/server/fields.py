@@ -23,11 +23,14 @@ _FOREIGN_STAGES = {"infill", "penalties_last"}
 
 
 class Body:
-    """Typed access to a JSON object; `where` prefixes field names in errors ("options.")."""
+    """Typed access to a JSON object; `where` prefixes field names in errors ("options.").
+    `sampling`: the server's values for the sampler fields the body leaves out (serve's
+    --temp, ...; `sampling_params` reads them), handed on to its objects (Ollama's options)."""
 
-    def __init__(self, data: dict, where: str = "") -> None:
+    def __init__(self, data: dict, where: str = "", sampling: dict | None = None) -> None:
         self.data = data
         self.where = where
+        self.sampling = sampling or {}
 
     def _name(self, key: str) -> str:
         return f"'{self.where}{key}'"
@@ -98,10 +101,10 @@ class Body:
     def obj(self, key: str) -> "Body":
         v = self.data.get(key)
         if v is None:
-            return Body({}, f"{self.where}{key}.")
+            return Body({}, f"{self.where}{key}.", self.sampling)
         if not isinstance(v, dict):
             raise BadRequestError(f"{self._name(key)} must be a JSON object, got {_show(v)}")
-        return Body(v, f"{self.where}{key}.")
+        return Body(v, f"{self.where}{key}.", self.sampling)
 
     def list(self, key: str, required: bool = False, most: int | None = None) -> list | None:
         v = self._given(key, required)
@@ -130,11 +133,13 @@ def _show(v) -> str:
 
 
 def sampling_params(body: Body, renames: dict[str, str] | None = None, n_probs: int = 0) -> SamplingParams:
-    """SamplingParams from a body's fields, each read as its declaration's kind says;
-    SamplingParams checks the values and their bounds. `renames` maps a dialect's names to
-    ours (none needs one today: Ollama's options use llama-server's names, and the
-    dialect reads OpenAI's top_logprobs into `n_probs` itself)."""
-    values: dict = {}
+    """SamplingParams from a body's fields, each read as its declaration's kind says; a
+    field the body leaves out gets the server's default (`body.sampling`: serve's --temp,
+    ...), else SamplingParams' own. SamplingParams checks the values and their bounds.
+    `renames` maps a dialect's names to ours (none needs one today: Ollama's options use
+    llama-server's names, and the dialect reads OpenAI's top_logprobs into `n_probs`
+    itself)."""
+    values: dict = dict(body.sampling)  # checked at startup; the body's own fields replace them
     names = dict.fromkeys(SAMPLING_FIELDS, None)
     names.update(renames or {})
     for key, target in names.items():

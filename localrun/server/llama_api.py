@@ -25,6 +25,7 @@ from ..request import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
 )
+from ..sampling import PARAMETERS
 from .fields import Body, generation_request, grammar_from, sampling_params
 from .reasoning import NO_REASONING, Reasoning
 from .fim import fim_tokens
@@ -262,7 +263,7 @@ async def props(request: Request):
     eng = model.engine
     return JSONResponse(
         {
-            "default_generation_settings": {"n_ctx": eng.n_ctx, "params": {"n_predict": -1}},
+            "default_generation_settings": {"n_ctx": eng.n_ctx, "params": {"n_predict": -1, **_default_sampling(st)}},
             "total_slots": eng.backend.n_seq,
             "model_path": model.path,
             "model_alias": model.name,
@@ -277,6 +278,15 @@ async def props(request: Request):
             "build_info": f"localrun {st.version}",
         }
     )
+
+
+def _default_sampling(st) -> dict:
+    """The sampler values a request that sets none gets (serve's --temp, ... over the
+    defaults), as llama-server's /props lists them; a random seed is -1."""
+    p = sampling_params(Body({}, sampling=st.sampling))
+    out = {spec.name: getattr(p, spec.name) for spec in PARAMETERS if spec.body and spec.kind in ("int", "float")}
+    out["seed"] = -1 if p.seed is None else p.seed
+    return out
 
 
 async def slots(request: Request):

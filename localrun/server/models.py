@@ -359,7 +359,7 @@ class ModelManager:
         asked = self._asked_ctx.get(path)
         if asked is not None:
             return ContextChoice(asked, f"a request asked for num_ctx {asked}")
-        return served_context(path, self.parallel, self.kv_cache_type, fixed=self.n_ctx)
+        return served_context(path, self.parallel, self.kv_cache_type, fixed=self.n_ctx, draft=self.draft)
 
     # -- leases and loading ----------------------------------------------------------
 
@@ -397,7 +397,8 @@ class ModelManager:
             return
         if (await asyncio.to_thread(self.context_for, path)).n_ctx >= n_ctx:
             return
-        choice = await asyncio.to_thread(served_context, path, self.parallel, self.kv_cache_type, n_ctx)
+        choice = await asyncio.to_thread(served_context, path, self.parallel, self.kv_cache_type, n_ctx,
+                                         draft=self.draft)
         self._asked_ctx[path] = max(self._asked_ctx.get(path, 0), choice.n_ctx)
 
     async def _reload_when_idle(self, model: Loaded) -> None:

@@ -32,9 +32,11 @@ class ServerState:
     started: float = field(default_factory=time.time)
     version: str = __version__
     reasoning: Reasoning = NO_REASONING  # serve's --reasoning-budget / --reasoning-format
+    # serve's --temp, --top-k, --top-p, --min-p, --seed: SamplingParams fields a request may leave out
+    sampling: dict = field(default_factory=dict)
 
     async def body(self, request: Request) -> Body:
-        return Body(await read_json(request, self.body_limit))
+        return Body(await read_json(request, self.body_limit), sampling=self.sampling)
 
 
 def state(request: Request) -> ServerState:

@@ -11,20 +11,13 @@ means measuring again: it never stops an answer.
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import secrets
 from importlib import metadata
 from pathlib import Path
 
 from .drift import BatchDrift
-from ..store.local import data_dir
+from ..store import json_cache
 
 FILE_NAME = "batch-drift.json"
-MAX_ENTRIES = 256  # models remembered; the oldest entries go first
-
-log = logging.getLogger(__name__)
 
 _PACKAGES = {"llama.cpp": "llama_cpp_python", "mlx": "mlx"}
 
@@ -52,22 +45,10 @@ def drift_key(backend) -> str | None:
     return f"{info.backend}|{_version(info.backend)}|kv={kv}|fa={fa}|{real}|{st.st_size}|{st.st_mtime_ns}"
 
 
-def _path() -> Path:
-    return data_dir() / FILE_NAME
-
-
-def _read() -> dict:
-    try:
-        data = json.loads(_path().read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: measure again
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def recall(backend) -> BatchDrift:
     """The drift measured for this model before, else a fresh one to measure."""
     key = drift_key(backend)
-    worst = _read().get(key) if key else None
+    worst = json_cache.read(FILE_NAME).get(key) if key else None
     if isinstance(worst, (int, float)) and worst >= 0:
         return BatchDrift.known(float(worst))
     return BatchDrift()
@@ -78,18 +59,4 @@ def remember(backend, drift: BatchDrift) -> None:
     key = drift_key(backend)
     if key is None or drift.calibrating:
         return
-    data = _read()
-    data.pop(key, None)
-    data[key] = drift.worst  # newest last: the oldest are dropped when the file is full
-    while len(data) > MAX_ENTRIES:
-        data.pop(next(iter(data)))
-    out = _path()
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=0))
-        os.replace(tmp, out)  # whole or not at all, even with two processes writing
-    except OSError as e:  # the next run measures again; nothing else depends on it
-        log.info("could not keep the batch drift in %s: %s", out, e)
-    finally:
-        tmp.unlink(missing_ok=True)
+    json_cache.remember(FILE_NAME, {key: drift.worst})

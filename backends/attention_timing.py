@@ -1,0 +1,225 @@
+"""Flash attention on or off for an f16 cache on the CPU, chosen by timing both on this
+machine (issue 52), then remembered.
+
+Which kernel is faster depends on the model's heads, the CPU and the thread count: at
+one thread llama-bench had SmolLM2 49 tok/s without flash attention against 33 with it
+(depth 650), while at two threads on an idle 2-core machine the same model read 90
+without and 110 with it (depth 832). No rule fits both, so the first load of a model
+times them: two small contexts of the loaded model (one per setting) read DEPTH prompt
+tokens (the prompt rate) and then decode one token at a time at that depth (the decode
+rate), at every thread count the load-following threads may pick (hardware.
+fitted_threads: from one to all cores), the settings alternating round by round so that
+a change of load falls on both.
+
+The winner is the setting with the shorter time for a reference turn of PROMPT_PER_ANSWER
+prompt tokens per answer token, "off" unless "on" is CLEAR_GAIN faster. It is remembered in the data folder per model file,
+llama.cpp build, machine, thread count and KV type (as the batch drift is), and used by
+every later load. A measurement taken while other processes kept a core busy is used for
+that load only, and none is taken while they keep one busy at load (the load then
+attends without flash attention, the old rule): a later load measures.
+`LOCALRUN_FLASH_ATTN` overrides it all.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from localrun.hardware import BUSY_CORE_SHARE, OthersLoad, probe
+from localrun.store import json_cache
+
+DEPTH = 512  # cached tokens when a decode step is timed: a chat a few turns in
+STEPS = 4  # one-token decodes timed per setting, thread count and round (after one untimed)
+ROUNDS = 3
+FILL_BATCH = 256  # tokens per decode while reading the prompt (serve's default --batch)
+PROMPT_PER_ANSWER = 1.0  # the reference turn: as many new prompt tokens as answer tokens
+CLEAR_GAIN = 0.03  # how much faster "on" must be to be chosen
+FILE_NAME = "flash-attention.json"
+SETTINGS = ("off", "on")
+
+log = logging.getLogger("localrun")
+
+
+@dataclass(frozen=True)
+class AttentionTiming:
+    """What one thread count measured: milliseconds per decoded token at DEPTH and per
+    prompt token read, for each setting."""
+
+    threads: int
+    decode_ms: dict[str, float]
+    prompt_ms: dict[str, float]
+
+    def turn_ms(self, setting: str) -> float:
+        return self.decode_ms[setting] + PROMPT_PER_ANSWER * self.prompt_ms[setting]
+
+    @property
+    def winner(self) -> str:
+        """"on" where it is clearly faster, else "off" (the setting every earlier release
+        used): two timings a few percent apart are noise that would flip the choice, and
+        with it the answers' last bits, from one machine or one load to the next."""
+        return "on" if self.turn_ms("on") < (1 - CLEAR_GAIN) * self.turn_ms("off") else "off"
+
+    def explain(self) -> str:
+        rates = "; ".join(f"{s}: decode {1000 / self.decode_ms[s]:.1f} tok/s, prompt {1000 / self.prompt_ms[s]:.0f} tok/s"
+                          for s in SETTINGS)
+        return f"flash attention {self.winner}, measured at {self.threads} thread(s), depth {DEPTH} ({rates})"
+
+    def as_json(self) -> dict:
+        return {"decode_ms": self.decode_ms, "prompt_ms": self.prompt_ms}
+
+    @classmethod
+    def from_json(cls, threads: int, value) -> "AttentionTiming | None":
+        try:
+            decode, prompt = ({s: float(value[part][s]) for s in SETTINGS} for part in ("decode_ms", "prompt_ms"))
+        except (KeyError, TypeError, ValueError):  # an older or hand-edited entry: measure again
+            return None
+        if min(*decode.values(), *prompt.values()) <= 0:
+            return None
+        return cls(threads, decode, prompt)
+
+
+def timing_key(model_path: str, kv_cache_type: str, threads: int) -> str | None:
+    """The model file (its real path, size and mtime), the llama.cpp build, the machine,
+    the thread count and the KV type; None for a file that cannot be read."""
+    try:
+        real = Path(model_path).resolve()
+        st = real.stat()
+    except OSError:
+        return None
+    try:
+        build = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        build = "unknown"
+    hw = probe()
+    machine = f"{hw.cpu_name}|{hw.cpu_physical}c"
+    return f"llama.cpp {build}|{machine}|t={threads}|kv={kv_cache_type}|{real}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def recall(model_path: str, kv_cache_type: str, threads: int) -> AttentionTiming | None:
+    key = timing_key(model_path, kv_cache_type, threads)
+    value = json_cache.read(FILE_NAME).get(key) if key else None
+    return AttentionTiming.from_json(threads, value) if value is not None else None
+
+
+def remembered() -> list[tuple[str, AttentionTiming]]:
+    """(model file name, timing) for every thread count timed on this machine and
+    llama.cpp build, for `localrun doctor`."""
+    here = timing_key(__file__, "", 0)
+    prefix = here.split("|t=")[0] + "|t=" if here else None
+    out = []
+    for key, value in json_cache.read(FILE_NAME).items():
+        if not prefix or not key.startswith(prefix):
+            continue
+        fields = key[len(prefix):].split("|")  # threads, kv=..., path, size, mtime
+        if len(fields) < 3 or not fields[0].isdigit():
+            continue
+        t = AttentionTiming.from_json(int(fields[0]), value)
+        if t is not None:
+            out.append((f"{Path(fields[2]).name} ({fields[1]})", t))
+    return out
+
+
+def remember(model_path: str, kv_cache_type: str, timings: list[AttentionTiming]) -> None:
+    entries = {}
+    for t in timings:
+        key = timing_key(model_path, kv_cache_type, t.threads)
+        if key:
+            entries[key] = t.as_json()
+    if entries:
+        json_cache.remember(FILE_NAME, entries)
+
+
+def thread_counts(threads: int, cores: int) -> list[int]:
+    """The counts the load-following threads may pick between (1 and all cores) and the
+    one this load starts with."""
+    return sorted({1, max(1, cores), max(1, threads)})
+
+
+def choose(model_path: str, kv_cache_type: str, threads: int, cores: int, time_both) -> AttentionTiming | None:
+    """The timing this load's choice rests on: remembered, else measured now, else None
+    (other processes keep a core busy: timings would be theirs as much as ours, and
+    llama.cpp's spinning threads make them slow to take; a later load times it).
+    `time_both(counts)` times both settings at those thread counts (measure() on the
+    loaded model)."""
+    known = recall(model_path, kv_cache_type, threads)
+    if known is not None:
+        return known
+    others = OthersLoad()
+    busy = others.busy_cores(wait=True)
+    if busy is not None and busy >= BUSY_CORE_SHARE:
+        log.info("flash attention not timed: other processes keep %.1f cores busy (a later load times it)", busy)
+        return None
+    counts = thread_counts(threads, cores)
+    start = time.monotonic()
+    timings = time_both(counts)
+    busy = others.busy_cores()
+    mine = next(t for t in timings if t.threads == threads)
+    log.info("%s (timed in %.1f s, once per model and machine)", mine.explain(), time.monotonic() - start)
+    if busy is None or busy < BUSY_CORE_SHARE:
+        remember(model_path, kv_cache_type, timings)
+    else:  # trusted for this load only
+        log.info("other processes kept %.1f cores busy while it was timed: not remembered", busy)
+    return mine
+
+
+def measure(lc, model, n_vocab: int, make_context, counts: list[int]) -> list[AttentionTiming]:
+    """Time both settings on `model` (llama.cpp's low-level API `lc`): `make_context(setting,
+    n_ctx, n_batch, threads)` gives a context or None. Raises RuntimeError if llama.cpp
+    refuses a context or a decode (the caller then keeps the rule's choice)."""
+    n_ctx = DEPTH + ROUNDS * len(counts) * (STEPS + 1) + 16
+    contexts, batch = {}, lc.llama_batch_init(FILL_BATCH, 0, 1)
+    try:
+        prompt_ms = {}
+        for setting in SETTINGS:
+            ctx = make_context(setting, n_ctx, FILL_BATCH, max(counts))
+            if not ctx:
+                raise RuntimeError(f"llama.cpp gave no context with flash attention {setting}")
+            contexts[setting] = ctx
+            start = time.perf_counter()
+            _fill(lc, ctx, batch, n_vocab)
+            prompt_ms[setting] = (time.perf_counter() - start) * 1000 / DEPTH
+        steps = {(t, s): [] for t in counts for s in SETTINGS}
+        pos = dict.fromkeys(SETTINGS, DEPTH)
+        for r in range(ROUNDS):
+            for t in counts:
+                for setting in SETTINGS if r % 2 == 0 else SETTINGS[::-1]:
+                    ctx = contexts[setting]
+                    lc.llama_set_n_threads(ctx, t, t)
+                    for i in range(STEPS + 1):  # the first step after a thread change is not timed
+                        start = time.perf_counter()
+                        _decode(lc, ctx, batch, [_token(pos[setting], n_vocab)], pos[setting])
+                        if i:
+                            steps[t, setting].append((time.perf_counter() - start) * 1000)
+                        pos[setting] += 1
+        return [AttentionTiming(t, {s: statistics.median(steps[t, s]) for s in SETTINGS}, prompt_ms) for t in counts]
+    finally:
+        lc.llama_batch_free(batch)
+        for ctx in contexts.values():
+            lc.llama_free(ctx)
+
+
+def _token(i: int, n_vocab: int) -> int:
+    return (1000 + i * 7919) % n_vocab  # any tokens: the time does not depend on which
+
+
+def _fill(lc, ctx, batch, n_vocab: int) -> None:
+    for start in range(0, DEPTH, FILL_BATCH):
+        n = min(FILL_BATCH, DEPTH - start)
+        _decode(lc, ctx, batch, [_token(start + j, n_vocab) for j in range(n)], start)
+
+
+def _decode(lc, ctx, batch, tokens: list[int], pos: int) -> None:
+    for j, tok in enumerate(tokens):
+        batch.token[j] = tok
+        batch.pos[j] = pos + j
+        batch.n_seq_id[j] = 1
+        batch.seq_id[j][0] = 0
+        batch.logits[j] = j == len(tokens) - 1
+    batch.n_tokens = len(tokens)
+    rc = lc.llama_decode(ctx, batch)
+    if rc != 0:
+        raise RuntimeError(f"llama_decode returned {rc} while timing flash attention")
