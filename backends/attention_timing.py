@@ -30,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 
 from localrun.hardware import BUSY_CORE_SHARE, OthersLoad, probe
-from localrun.store import json_cache
+from localrun import datafiles
 
 DEPTH = 512  # cached tokens when a decode step is timed: a chat a few turns in
 STEPS = 4  # one-token decodes timed per setting, thread count and round (after one untimed)
@@ -101,7 +101,7 @@ def timing_key(model_path: str, kv_cache_type: str, threads: int) -> str | None:
 
 def recall(model_path: str, kv_cache_type: str, threads: int) -> AttentionTiming | None:
     key = timing_key(model_path, kv_cache_type, threads)
-    value = json_cache.read(FILE_NAME).get(key) if key else None
+    value = datafiles.read_cache(FILE_NAME).get(key) if key else None
     return AttentionTiming.from_json(threads, value) if value is not None else None
 
 
@@ -111,7 +111,7 @@ def remembered() -> list[tuple[str, AttentionTiming]]:
     here = timing_key(__file__, "", 0)
     prefix = here.split("|t=")[0] + "|t=" if here else None
     out = []
-    for key, value in json_cache.read(FILE_NAME).items():
+    for key, value in datafiles.read_cache(FILE_NAME).items():
         if not prefix or not key.startswith(prefix):
             continue
         fields = key[len(prefix):].split("|")  # threads, kv=..., path, size, mtime
@@ -130,7 +130,7 @@ def remember(model_path: str, kv_cache_type: str, timings: list[AttentionTiming]
         if key:
             entries[key] = t.as_json()
     if entries:
-        json_cache.remember(FILE_NAME, entries)
+        datafiles.remember(FILE_NAME, entries)
 
 
 def thread_counts(threads: int, cores: int) -> list[int]:

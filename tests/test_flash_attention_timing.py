@@ -89,7 +89,7 @@ def test_a_damaged_entry_is_timed_again(tmp_path, monkeypatch, entry):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     key = attention_timing.timing_key(str(model), "f16", 2)
-    path = attention_timing.json_cache.path(attention_timing.FILE_NAME)
+    path = attention_timing.datafiles.cache_path(attention_timing.FILE_NAME)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({key: entry}))
     quiet(monkeypatch)
@@ -115,7 +115,7 @@ def test_a_real_load_times_both_and_the_next_load_reuses_it(smollm2_gguf, monkey
         assert second.attention_timing == measured and second.flash_attn == measured.winner
     finally:
         second.close()
-    saved = json.loads(attention_timing.json_cache.path(attention_timing.FILE_NAME).read_text())
+    saved = json.loads(attention_timing.datafiles.cache_path(attention_timing.FILE_NAME).read_text())
     timed = sorted(int(key.split("|t=")[1].split("|")[0]) for key in saved)
     assert timed == thread_counts(first.threads, inference_threads())
 

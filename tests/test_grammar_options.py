@@ -423,16 +423,19 @@ def test_sampled_json_answers_validate_and_hold_no_blank_line(request, model, se
 
 
 def test_an_answer_the_budget_would_cut_is_closed_as_valid_json(smollm2_engine_8):
-    """json_budget: 40 tokens are too few for most of these answers, so their last
+    """json_budget: 48 tokens are too few for most of these answers, so their last
     CLOSING_RESERVE tokens only close what is open: each is valid JSON that validates,
-    and the ones whose choices that narrowed end as "length"."""
-    answers = sample_answers(smollm2_engine_8, range(8), temperature=1.0, max_tokens=40)
+    and the ones whose choices that narrowed end as "length". (At 40 tokens, one seed
+    under flash attention ended a 10-token name as the reserve began, with two required
+    keys and their values still to write, 15 tokens at the least: more than the 16-token
+    reserve holds once one token went to padding, the limit json_budget's docstring names.)"""
+    answers = sample_answers(smollm2_engine_8, range(8), temperature=1.0, max_tokens=48)
     assert [a.text for a in answers if not a.valid(SCHEMA)] == []
     assert sum(a.finish_reason == "length" for a in answers) >= 4, [(a.finish_reason, a.text) for a in answers]
 
 
 def test_the_budget_prefers_closing_then_punctuation_then_unpadded_tokens():
-    pieces = [b'"', b'"]', b'"}\n', b"\n}", b" ", b",", b'",', b"]", b"}}", b"a", b"", b'["', b" a", b"7", b'":']
+    pieces = [b'"', b'"]', b'"}\n', b"\n}", b" ", b",", b'",', b"]", b"}}", b"a", b"", b'["', b" a", b"7", b'":', b" ,"]
     masks = budget_tokens(pieces, end_ids=[10])
 
     def named(mask):
@@ -440,8 +443,9 @@ def test_the_budget_prefers_closing_then_punctuation_then_unpadded_tokens():
 
     assert named(masks.ends_string) == [b'"', b'"]', b'"}\n']
     assert named(masks.closing) == [b"\n}", b"]", b"}}", b""]
-    assert named(masks.punctuation) == [b'"', b'"]', b'"}\n', b"\n}", b",", b'",', b"]", b"}}", b'["', b'":']
+    assert named(masks.punctuation) == [b'"', b'"]', b'"}\n', b"\n}", b",", b'",', b"]", b"}}", b'["', b'":', b" ,"]
     assert named(masks.compact) == [b'"', b'"]', b",", b'",', b"]", b"}}", b"a", b'["', b"7", b'":']
+    assert named(masks.tight_punctuation) == [b'"', b'"]', b",", b'",', b"]", b"}}", b'["', b'":']
     row = np.arange(len(pieces), dtype=np.float32)
 
     def kept(allowed_ids, inside=False):
@@ -453,6 +457,8 @@ def test_the_budget_prefers_closing_then_punctuation_then_unpadded_tokens():
     assert kept([5, 7, 9]) == ([7], True)  # after an array item: "]" rather than "," or more of it
     assert kept([5, 13]) == ([5], True)  # a number with a required key still to come: "," ends it
     assert kept([9, 12]) == ([9], True)  # a key's name: no padding
+    assert kept([5, 15]) == ([5], True)  # "," before " ,": padding spends the reserve's tokens
+    assert kept([9, 15]) == ([15], True)  # padded punctuation still before a key's name
     assert kept([7]) == ([7], False)  # nothing else was allowed: the choice was not narrowed
     assert kept([4]) is None  # only padding: the grammar's row as it is
     # inside a string "]" and "}" are text: only a quote ends it

@@ -136,6 +136,7 @@ def test_the_import_check_sees_what_it_must(tmp_path, monkeypatch):
 FLOORS = {
     # foundations
     "localrun": 0, "localrun.errors": 0, "localrun.hardware": 0, "localrun.textstream": 0, "localrun.ggml": 0,
+    "localrun.datafiles": 0,
     # what a model is, how it is prompted, sampled and constrained; the RPC cluster
     "localrun.model": 1, "localrun.prompt": 1, "localrun.sampling": 1, "localrun.grammar": 1,
     "localrun.tools": 1, "localrun.cluster": 1,

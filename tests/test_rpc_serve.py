@@ -108,8 +108,10 @@ def test_serve_answers_over_workers(workers, smollm2_gguf):
     import httpx
     from serving import Server
 
-    local = localrun("run", str(smollm2_gguf), PROMPT, *GREEDY)  # lookup off on both sides, as in _chat
-    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1",
+    # lookup off on both sides, as in _chat; one thread on both (GREEDY's --threads 1): flash
+    # attention is chosen per thread count, and each setting answers a little differently
+    local = localrun("run", str(smollm2_gguf), PROMPT, *GREEDY)
+    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1", "--threads", "1",
                     "--rpc", ",".join(w.endpoint for w in workers), "--tensor-split", "1,1,1")
     try:
         r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
@@ -247,7 +249,7 @@ def test_serve_survives_a_worker_killed_mid_answer(tmp_path, smollm2_gguf):
     from serving import Server
 
     doomed, other = WorkerProcess(tmp_path), WorkerProcess(tmp_path)
-    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1",
+    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1", "--threads", "1",
                     "--rpc", f"{doomed.endpoint},{other.endpoint}", "--tensor-split", "1,1,1")
     try:
         queued = []  # a second request, waiting for the one slot when the worker dies
@@ -300,7 +302,7 @@ def test_serve_gives_up_on_a_worker_that_hangs(tmp_path, smollm2_gguf):
     from serving import Server
 
     stuck, other = WorkerProcess(tmp_path), WorkerProcess(tmp_path)
-    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1",
+    server = Server("--model", str(smollm2_gguf), "--ctx", "512", "--parallel", "1", "--threads", "1",
                     "--rpc", f"{stuck.endpoint},{other.endpoint}", "--tensor-split", "1,1,1",
                     "--rpc-timeout", "4")
     try:

@@ -17,6 +17,9 @@ EVERY_STAGE = dict(
     temperature=0.9, dynatemp_range=0.3, top_k=50, typical_p=0.95, top_p=0.95, min_p=0.02,
     xtc_probability=0.5, xtc_threshold=0.1, repeat_penalty=1.1, presence_penalty=0.2,
     frequency_penalty=0.1, dry_multiplier=0.8, dry_allowed_length=1, logit_bias={13: -2.0}, top_n_sigma=2.0,
+    # no breakers: the chat prompt's last token (a newline) then repeats earlier ones, so DRY
+    # acts from the first token on, whatever the sampled tokens (the kernels' last bits move them)
+    dry_sequence_breakers=[],
 )
 
 
@@ -109,7 +112,7 @@ def test_every_stage_runs_and_reproduces_on_both_backends(engine, stages, monkey
         params, expected = EVERY_STAGE, set(DEFAULT_SAMPLERS)
     else:
         params = dict(mirostat=int(stages[-1]), mirostat_tau=4.0, temperature=0.9, dry_multiplier=0.5,
-                      dry_allowed_length=1)
+                      dry_allowed_length=1, dry_sequence_breakers=[])
         expected = {"dry", "temperature", "mirostat"}  # penalties and logit bias are off: they change nothing
     prompt = chat(engine, "Describe your favourite city.")
     changed = stage_effects(monkeypatch)

@@ -11,7 +11,8 @@ a string (the answer so far holds an odd number of unescaped quotes): a token th
 it (`"`, then only `]`, `}` or whitespace), else one without whitespace (a string under
 its minLength). Outside: a token that only closes (`]`, `}`, whitespace) or ends the
 answer; else one of JSON punctuation alone (`,"`, `":`, `":[`: the way on to a required
-key still missing, and the end of a number); else one without whitespace (a key's name, a
+key still missing, and the end of a number), unpadded before padded (` ,` then ` "` spend
+two tokens of the reserve where `,"` spends one); else one without whitespace (a key's name, a
 digit). Failing all, the grammar's choice as usual. No `,` ever closes, so no array or
 object grows while a closing token is allowed, and a string opened in the reserve ends at
 the next token. The answer is then valid JSON, shorter than the model
@@ -46,12 +47,13 @@ class BudgetTokens:
     closing: np.ndarray  # only `]`, `}` and whitespace, at least one of the two; and the end ids
     punctuation: np.ndarray  # JSON punctuation and whitespace only
     compact: np.ndarray  # no whitespace at all
+    tight_punctuation: np.ndarray  # JSON punctuation without whitespace (`,"` before ` ,`)
 
     def preferred(self, inside_string: bool) -> tuple[np.ndarray, ...]:
         """The masks a choice tries in order, inside a string or outside."""
         if inside_string:
             return self.ends_string, self.compact
-        return self.closing, self.punctuation, self.compact
+        return self.closing, self.tight_punctuation, self.punctuation, self.compact
 
 
 def budget_tokens(pieces: Sequence[bytes], end_ids: Iterable[int]) -> BudgetTokens:
@@ -67,7 +69,7 @@ def budget_tokens(pieces: Sequence[bytes], end_ids: Iterable[int]) -> BudgetToke
     for i in end_ids:
         if 0 <= i < n:
             closing[i] = True
-    return BudgetTokens(ends_string, closing, punctuation, compact)
+    return BudgetTokens(ends_string, closing, punctuation, compact, punctuation & compact)
 
 
 def inside_string(text: bytes) -> bool:

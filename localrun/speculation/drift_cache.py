@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from .drift import BatchDrift
-from ..store import json_cache
+from .. import datafiles
 
 FILE_NAME = "batch-drift.json"
 
@@ -48,7 +48,7 @@ def drift_key(backend) -> str | None:
 def recall(backend) -> BatchDrift:
     """The drift measured for this model before, else a fresh one to measure."""
     key = drift_key(backend)
-    worst = json_cache.read(FILE_NAME).get(key) if key else None
+    worst = datafiles.read_cache(FILE_NAME).get(key) if key else None
     if isinstance(worst, (int, float)) and worst >= 0:
         return BatchDrift.known(float(worst))
     return BatchDrift()
@@ -59,4 +59,4 @@ def remember(backend, drift: BatchDrift) -> None:
     key = drift_key(backend)
     if key is None or drift.calibrating:
         return
-    json_cache.remember(FILE_NAME, {key: drift.worst})
+    datafiles.remember(FILE_NAME, {key: drift.worst})

@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from localrun.datafiles import data_dir  # noqa: F401 - the store's folders hang off it; callers import it from here
 from localrun.errors import ModelNotFoundError
 from localrun.model.paths import model_path_kind
 from localrun.model.formats import SPLIT_SUFFIX, quality_rank, quant_from_filename, split_parts
@@ -50,19 +51,6 @@ class StoredModel:
 
 
 # -- folders --------------------------------------------------------------------
-
-
-def data_dir() -> Path:
-    """The user data folder: $LOCALRUN_DATA, else the platform's convention."""
-    env = os.environ.get("LOCALRUN_DATA")
-    if env:
-        return Path(env).expanduser()
-    home = Path.home()
-    if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "localrun"
-    if os.name == "nt":
-        return Path(os.environ.get("LOCALAPPDATA") or home / "AppData" / "Local") / "localrun"
-    return Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "localrun"
 
 
 def models_dir() -> Path:
