@@ -82,6 +82,16 @@ class AttentionTiming:
         return cls(threads, decode, prompt)
 
 
+def _here() -> str:
+    """The llama.cpp build and the machine, the first part of every key."""
+    try:
+        build = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        build = "unknown"
+    hw = probe()
+    return f"llama.cpp {build}|{hw.cpu_name}|{hw.cpu_physical}c|"
+
+
 def timing_key(model_path: str, kv_cache_type: str, threads: int) -> str | None:
     """The model file (its real path, size and mtime), the llama.cpp build, the machine,
     the thread count and the KV type; None for a file that cannot be read."""
@@ -90,13 +100,7 @@ def timing_key(model_path: str, kv_cache_type: str, threads: int) -> str | None:
         st = real.stat()
     except OSError:
         return None
-    try:
-        build = metadata.version("llama_cpp_python")
-    except metadata.PackageNotFoundError:
-        build = "unknown"
-    hw = probe()
-    machine = f"{hw.cpu_name}|{hw.cpu_physical}c"
-    return f"llama.cpp {build}|{machine}|t={threads}|kv={kv_cache_type}|{real}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{_here()}t={threads}|kv={kv_cache_type}|{real}|{st.st_size}|{st.st_mtime_ns}"
 
 
 def recall(model_path: str, kv_cache_type: str, threads: int) -> AttentionTiming | None:
@@ -106,13 +110,11 @@ def recall(model_path: str, kv_cache_type: str, threads: int) -> AttentionTiming
 
 
 def remembered() -> list[tuple[str, AttentionTiming]]:
-    """(model file name, timing) for every thread count timed on this machine and
-    llama.cpp build, for `localrun doctor`."""
-    here = timing_key(__file__, "", 0)
-    prefix = here.split("|t=")[0] + "|t=" if here else None
-    out = []
+    """(model file name and KV type, timing) for every thread count timed on this
+    machine with this llama.cpp build, for `localrun doctor`."""
+    prefix, out = _here() + "t=", []
     for key, value in datafiles.read_cache(FILE_NAME).items():
-        if not prefix or not key.startswith(prefix):
+        if not key.startswith(prefix):
             continue
         fields = key[len(prefix):].split("|")  # threads, kv=..., path, size, mtime
         if len(fields) < 3 or not fields[0].isdigit():

@@ -67,6 +67,21 @@ def test_timed_once_then_remembered_per_thread_count(tmp_path, monkeypatch):
     assert recall(str(model), "f16", 2) is None
 
 
+def test_doctor_lists_what_this_machine_timed(tmp_path, monkeypatch, capsys):
+    from localrun.commands.store import flash_attention_rows
+
+    assert flash_attention_rows() == [["flash attn", "timed per model at its first load on the CPU (none yet)"]]
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    quiet(monkeypatch)
+    choose(str(model), "f16", 2, 2, lambda counts: [timing(t, 10.0, 8.0) for t in counts])
+    rows = flash_attention_rows()
+    assert [r[1].split(":")[0] for r in rows] == ["m.gguf (kv=f16)"] * 2  # 1 and 2 threads
+    assert all("flash attention on" in r[1] for r in rows)
+    monkeypatch.setenv(FLASH_ATTN_ENV, "off")
+    assert flash_attention_rows() == [["flash attn", f"{FLASH_ATTN_ENV}=off decides for every model"]]
+
+
 def test_a_busy_machine_is_not_timed(tmp_path, monkeypatch):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
