@@ -12,7 +12,7 @@ fitted_threads: from one to all cores), the settings alternating round by round 
 a change of load falls on both.
 
 The winner is the setting with the shorter time for a reference turn of PROMPT_PER_ANSWER
-prompt tokens per answer token, "off" unless "on" is CLEAR_GAIN faster. It is remembered in the data folder per model file,
+prompt tokens per answer token, "off" unless "on" is CLEAR_GAIN faster. It is remembered in the cache folder (datafiles.cache_dir) per model file,
 llama.cpp build, machine, thread count and KV type (as the batch drift is), and used by
 every later load. A measurement taken while other processes kept a core busy is used for
 that load only, and none is taken while they keep one busy at load (the load then

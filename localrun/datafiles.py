@@ -1,7 +1,11 @@
-"""The user data folder and the small measurement caches kept in it: one JSON object per
-file, a key per thing measured (a model on a machine), newest last, whole or not at all
-on disk. A foundation, so that any room may remember what it measured (the llama.cpp
-backend its flash-attention timings, speculation its batch drift).
+"""The user data folder, and the cache folder with the small measurement caches: one JSON
+object per file, a key per thing measured (a model on a machine), newest last, whole or
+not at all on disk. A foundation, so that any room may remember what it measured (the
+llama.cpp backend its flash-attention timings, speculation its batch drift).
+
+The measurements are a cache, not the user's data: they live apart from the
+conversations and models, so that a run with a private data folder (a test, a second
+profile) still finds what this machine measured instead of timing every model again.
 
 What lives in these caches is worth a few seconds of measuring, never an answer: a file
 that cannot be read or written only means measuring again, so errors are logged, not
@@ -23,19 +27,33 @@ log = logging.getLogger(__name__)
 
 def data_dir() -> Path:
     """The user data folder: $LOCALRUN_DATA, else the platform's convention."""
-    env = os.environ.get("LOCALRUN_DATA")
-    if env:
-        return Path(env).expanduser()
+    return _platform_folder("LOCALRUN_DATA", "Application Support", "XDG_DATA_HOME", ".local/share")
+
+
+def cache_dir() -> Path:
+    """The measurement caches' folder: $LOCALRUN_CACHE, else the platform's cache folder."""
+    return _platform_folder("LOCALRUN_CACHE", "Caches", "XDG_CACHE_HOME", ".cache", mine="measured")
+
+
+def _platform_folder(env: str, mac: str, xdg: str, xdg_default: str, mine: str = "") -> Path:
+    """$env, else localrun's folder (and its `mine` subfolder) in ~/Library/`mac` on a
+    Mac, %LOCALAPPDATA% on Windows, $`xdg` or ~/`xdg_default` elsewhere."""
+    given = os.environ.get(env)
+    if given:
+        return Path(given).expanduser()
     home = Path.home()
     if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "localrun"
-    if os.name == "nt":
-        return Path(os.environ.get("LOCALAPPDATA") or home / "AppData" / "Local") / "localrun"
-    return Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "localrun"
+        base = home / "Library" / mac
+    elif os.name == "nt":
+        base = Path(os.environ.get("LOCALAPPDATA") or home / "AppData" / "Local")
+        mine = mine and "cache"
+    else:
+        base = Path(os.environ.get(xdg) or home / xdg_default)
+    return base / "localrun" / mine if mine else base / "localrun"
 
 
 def cache_path(name: str) -> Path:
-    return data_dir() / name
+    return cache_dir() / name
 
 
 def read_cache(name: str) -> dict:

@@ -59,10 +59,10 @@ SAMPLED = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
 
 @pytest.fixture(autouse=True)
-def own_data_dir(tmp_path, monkeypatch):
-    """The batch drift that exact_greedy measures is remembered per model file in the data
+def own_cache_dir(tmp_path, monkeypatch):
+    """The batch drift that exact_greedy measures is remembered per model file in the cache
     folder: each test starts from none and leaves the user's alone."""
-    monkeypatch.setenv("LOCALRUN_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("LOCALRUN_CACHE", str(tmp_path / "data"))
 
 
 # -- helpers --------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from localrun.engine import Engine
 from localrun.sampling import SamplingParams
 from localrun.speculation.draft_model import MIN_GAIN, DraftModel, DraftModelProposer
 from localrun.speculation.proposer import ALONE
-from test_draft_model import (  # noqa: F401 - own_data_dir is an autouse fixture
-    EXACT_GREEDY, NO_LOOKUP, alone, chat, force_paying_prices, own_data_dir, paying_ratios,
+from test_draft_model import (  # noqa: F401 - own_cache_dir is an autouse fixture
+    EXACT_GREEDY, NO_LOOKUP, alone, chat, force_paying_prices, own_cache_dir, paying_ratios,
 )
 from test_speculative import GREEDY
 
@@ -35,7 +35,7 @@ def test_real_pair_declines_at_measured_prices_and_keeps_the_targets_tokens(qwen
     At prices forced to pay it drafts and keeps most drafts; under the exact_greedy guard
     every answer is the target's own token for token; without the guard at least one is
     (its wide rows drift by up to ~0.2 logits here, which may flip a near tie)."""
-    monkeypatch.setenv(FLASH_ATTN_ENV, "off")  # not timed in this test's fresh data folder (13 s for the 1.5B)
+    monkeypatch.setenv(FLASH_ATTN_ENV, "off")  # not timed in this test's fresh cache folder (13 s for the 1.5B)
     with Engine.open(qwen_coder_15b_gguf, n_ctx=512, draft=qwen_coder_gguf) as engine:
         model, cost = engine.draft_model, engine.speculator.step_cost
         assert model is not None and model._step_ms is not None and cost.one_row_ms() is not None  # measured

@@ -17,8 +17,8 @@ from localrun.hardware import OthersLoad, inference_threads
 
 
 @pytest.fixture(autouse=True)
-def own_data_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCALRUN_DATA", str(tmp_path / "data"))
+def own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALRUN_CACHE", str(tmp_path / "data"))
     monkeypatch.delenv(FLASH_ATTN_ENV, raising=False)
 
 

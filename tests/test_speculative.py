@@ -489,7 +489,7 @@ def test_calibrating_one_generation_leaves_the_others_rows_intact():
 
 
 def test_a_measured_drift_is_remembered_for_the_same_model_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCALRUN_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("LOCALRUN_CACHE", str(tmp_path / "data"))
     model = tmp_path / "model.gguf"
     model.write_bytes(b"weights")
 

@@ -8,11 +8,13 @@ nothing here sees or writes the user's real models or conversations."""
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
 from textual.widgets import ProgressBar
 
+from localrun.backends.llamacpp import LlamaCppBackend
 from localrun.cli import build_parser
 from localrun.sampling import SamplingParams
 from localrun.tui.app import ChatApp, ChatOpener
@@ -118,6 +120,14 @@ async def test_send_streams_answer_saves_and_keeps_multiline(tui_env, monkeypatc
     # recorded inside the frame, not by polling: a fast machine can finish all 40
     # tokens before a poll first sees the answer in flight
     monkeypatch.setattr(ChatApp, "draw_frame", recording_frame)
+    decoded_on = set()  # the threads the load and the answer decoded on
+    decode = LlamaCppBackend.decode
+
+    def recording_decode(self, batch):
+        decoded_on.add(threading.current_thread())
+        return decode(self, batch)
+
+    monkeypatch.setattr(LlamaCppBackend, "decode", recording_decode)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         assert app.status.values.n_ctx == 512
@@ -130,6 +140,8 @@ async def test_send_streams_answer_saves_and_keeps_multiline(tui_env, monkeypatc
         await send(pilot, "Count from 1 to 30.")
         assert box.text == ""  # sent: the box is empty again
         await wait_for(pilot, lambda: len(app.messages) == 2 and not app.generating, what="the answer")
+        # each ended with its work, and its OpenMP pool with it (backends/compute_threads.py)
+        assert decoded_on and not any(t.is_alive() or t is threading.main_thread() for t in decoded_on)
         shown = [text for text in partial if text]
         assert shown and len(shown[0]) < len(app.messages[-1]["content"])  # on screen before it was finished
 

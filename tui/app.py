@@ -30,6 +30,7 @@ from textual.message import Message
 from textual.widgets import Footer, Markdown, ProgressBar
 
 from localrun.backends.base import BackendOptions
+from localrun.backends.compute_threads import on_passing_thread
 from localrun.commands.draft import draft_options
 from localrun.engine import Engine
 from localrun.errors import LocalrunError, ModelNotFoundError
@@ -272,7 +273,9 @@ class ChatApp(SlashCommands, App):
             warm_highlighter()
             self._highlighter_warm = True
         try:
-            self.session.load(path, name)
+            # loads and answers each on a thread that ends with them: an executor thread
+            # that decoded would keep an OpenMP pool that slows every later decode
+            on_passing_thread(self.session.load, path, name, name="localrun-load")
         except LocalrunError as exc:
             self.post_message(ModelLoaded(name, exc))
         except Exception as exc:  # a backend bug must not take the chat down with it
@@ -347,7 +350,8 @@ class ChatApp(SlashCommands, App):
     def _generate(self, messages: list[dict], settings: ChatSettings, cancel: threading.Event,
                   feed: AnswerFeed) -> None:
         try:
-            reply = self.session.reply(messages, settings, cancel, feed.put)  # put never waits for the UI
+            # put never waits for the UI; the thread: see _load
+            reply = on_passing_thread(self.session.reply, messages, settings, cancel, feed.put, name="localrun-answer")
         except LocalrunError as exc:
             self.post_message(AnswerDone(None, str(exc)))
         except Exception as exc:  # a bug: say so in the chat instead of crashing it

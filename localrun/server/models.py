@@ -34,6 +34,7 @@ from pathlib import Path
 from ..model.paths import model_path_kind
 from ..store import local as store
 from ..backends.base import BackendOptions
+from ..backends.compute_threads import on_passing_thread
 from ..backends.remote import is_lost
 from ..prompt.chat_template import load_template_file
 from ..engine import Engine
@@ -456,7 +457,9 @@ class ModelManager:
             await self._shutdown(victim)
             if victim in self._stranded:
                 raise QueueFullError(f"model {victim.name} is still finishing a step before it unloads; retry later")
-        model = await asyncio.to_thread(self._open_model, display, path)
+        # on a thread that ends with the load: the decodes that time the model at load
+        # must leave no OpenMP pool behind (backends.compute_threads)
+        model = await asyncio.to_thread(on_passing_thread, self._open_model, display, path, name="localrun-load")
         if display in self.loaded:  # another file took this name meanwhile: list this one by path
             model.name = path
         self.loaded[model.name] = model

@@ -5,7 +5,7 @@ again one row at a time), which a one-shot `localrun run` would pay on every ans
 The drift is a property of the model file and of the kernels that run it, so it is
 kept per (backend, its version, KV cache type, flash attention on or off, the model's real
 path, size and mtime)
-in `batch-drift.json` in the data folder. A cache that cannot be read or written only
+in `batch-drift.json` in the cache folder (datafiles.cache_dir). A cache that cannot be read or written only
 means measuring again: it never stops an answer.
 """
 

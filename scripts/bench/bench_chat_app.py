@@ -22,8 +22,15 @@ that the answers are the same text and the token counts are equal, and says so.
     python -m scripts.bench.bench_chat_app [--model PATH] [--repeat 3] [--max-tokens 200]
                                            [--threads N|fitted] [--driver tmux|pilot] [--busy] [--long]
 
---threads fitted passes no --threads to either side, so both fit their threads to the load
-as a user's `localrun chat` and `localrun run` do. --busy keeps one core spinning in
+--threads fitted (the default) passes no --threads to either side, so both fit their threads
+to the load as a user's `localrun chat` and `localrun run` do. A forced count that the load
+leaves no cores for measures llama.cpp's spinning barriers, not the app: with one core busy
+and --threads 2, `localrun run` fell from ~130 to 24-40 tok/s and the app to 0.5-2, while
+fitted threads gave 79 and 77. The app falls further because tmux starts it in a session
+of its own, and Linux's autogroup scheduling shares the CPU between sessions: the spinner's
+session gets one core, the app's the other, so its two spinning threads take turns on one
+core and every barrier waits a time slice (`localrun run` shares a session, and so two
+cores, with the spinner). --busy keeps one core spinning in
 another process during every run. --long asks for a 400-token answer, so that frames drawn
 while it decodes count as in a real session (the default answer is ~90 tokens). Prints per-round
 tok/s (with lookup on, the share of drafted tokens each answer kept), the medians,
@@ -72,12 +79,6 @@ class Run:
     generated: int  # tokens in the answer
     text: str
     draft: float | None = None  # share of drafted tokens kept, % (None: lookup drafted nothing)
-
-
-def physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def loadavg() -> str:
@@ -244,9 +245,9 @@ def main() -> int:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a GGUF file (default: SmolLM2-135M Q4_1)")
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--threads", type=threads_arg, default=None,
-                   help=f"both sides: N, or '{FITTED}' (no --threads: each fits its threads to the load,"
-                        " as a user's does; default: physical cores)")
+    p.add_argument("--threads", type=threads_arg, default=FITTED,
+                   help=f"both sides: N, or '{FITTED}' (the default: no --threads, each fits its threads"
+                        " to the load as a user's does)")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--question", default=QUESTION)
     p.add_argument("--long", action="store_true",
@@ -260,7 +261,6 @@ def main() -> int:
         raise SystemExit(f"error: no model at {args.model}: run scripts/fetch_test_models.py or pass --model")
     if args.repeat < 1 or args.max_tokens < 1:
         raise SystemExit("error: --repeat and --max-tokens must be at least 1")
-    args.threads = args.threads or physical_cores()
     if args.long:
         args.question, args.max_tokens = LONG_QUESTION, 400
 

@@ -243,7 +243,7 @@ def work(job):
 
 def measure_batch_drift(eng, prompts):
     """With exact_greedy, localrun measures a model's batch drift on its first speculative
-    steps (recomputing them one row at a time) and keeps it in the data folder: a user pays
+    steps (recomputing them one row at a time) and keeps it in the cache folder: a user pays
     that once per model. Pay it here, untimed, so that timed runs show the speed every
     later run has."""
     from localrun.sampling import SamplingParams
