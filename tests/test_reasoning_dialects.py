@@ -184,6 +184,33 @@ def test_anthropic_thinking_controls_and_history(http, engines):
     assert counted["input_tokens"] == plain["input_tokens"] + len(EMPTY_THINKING)  # the template saw it
 
 
+def test_anthropic_omitted_thinking_rides_in_the_signature_and_comes_back(http):
+    """thinking.display "omitted": empty thinking blocks, no thinking_delta, and the
+    signature carries the text, so the block handed back gives the template its thinking."""
+    client = anthropic.Anthropic(base_url="http://127.0.0.1", api_key="x", http_client=http)
+    ask = dict(model=MODEL, max_tokens=64, messages=HI,
+               thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"})
+    whole = client.messages.create(**ask)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    block = whole.content[0]
+    assert block.thinking == "" and PLAN not in block.signature and whole.content[1].text == ANSWER
+    with client.messages.stream(**ask) as stream:
+        kinds = [(ev.type, getattr(getattr(ev, "delta", None), "type", None)) for ev in stream]
+        final = stream.get_final_message()
+    assert ("content_block_delta", "thinking_delta") not in kinds
+    assert ("content_block_delta", "signature_delta") in kinds
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+
+    history = [*HI, {"role": "assistant", "content": [block.model_dump(), {"type": "text", "text": ANSWER}]},
+               {"role": "user", "content": "next"}]
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 64, "messages": history}).json()
+    assert r["content"][-1]["text"] == f"{ANSWER} (after {PLAN})"
+    shown = http.post("/v1/messages", json={**ask, "thinking": {"type": "adaptive", "display": "summarized"}}).json()
+    assert shown["content"][0]["thinking"] == PLAN
+    bad = http.post("/v1/messages", json={**ask, "thinking": {"type": "adaptive", "display": "full"}})
+    assert bad.status_code == 400 and "'thinking.display'" in bad.json()["error"]["message"]
+
+
 # -- Responses -----------------------------------------------------------------------------
 
 

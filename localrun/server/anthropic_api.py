@@ -24,6 +24,9 @@ engine (the reply is rendered by anthropic_stream.py):
     thinking {type: enabled, budget_tokens} -> a reasoning budget; {type: disabled} ->
                                                enable_thinking false; output_config.effort ->
                                                reasoning_effort (reasoning.py)
+    thinking.display summarized|omitted     -> the thinking as written (a local model has no
+                                               summarizer) | empty thinking blocks whose
+                                               signature carries the text (anthropic_stream)
 
 Every field is checked when the body is read, with an error that names it; fields this
 server has no use for (metadata, context_management, service_tier, cache_control, and any
@@ -50,7 +53,7 @@ from ..tools import (
     MAX_DESCRIPTION_CHARS, MAX_TOOL_SCHEMA_BYTES, MAX_TOOL_SCHEMAS_BYTES, MAX_TOOLS, Tool, history_messages,
     parse_tool_choice, parse_tools,
 )
-from .anthropic_stream import message_body, message_events, prompt_too_long
+from .anthropic_stream import carried_thinking, message_body, message_events, prompt_too_long
 from .fields import SAMPLING_FIELDS, Body, generation_request, objects, sampling_params
 from .reasoning import NO_REASONING, Reasoning, anthropic
 from .http import stream
@@ -92,6 +95,7 @@ class Parsed:
     tools: tuple[Tool, ...]
     request: GenerationRequest | None  # None for count_tokens (nothing is generated)
     reasoning: Reasoning = NO_REASONING  # the thinking controls (their template variables shape the prompt)
+    omit_thinking: bool = False  # thinking.display "omitted"
 
 
 def _show(v) -> str:
@@ -111,6 +115,7 @@ def read_request(b: Body, generate: bool = True, defaults: Reasoning = NO_REASON
             log.debug("anthropic: accepted %r without effect (%s)", key, why)
     _check_ignored_shapes(b)
     reasoning = anthropic(b).over(defaults)
+    omit = _omit_thinking(b)
     tools = read_tools(b)
     msgs = history_messages(read_messages(b))  # checks the calls it was given, naming them
     if not generate:
@@ -130,7 +135,19 @@ def read_request(b: Body, generate: bool = True, defaults: Reasoning = NO_REASON
     stops = Body({"stop": _stop_sequences(b), "lookup": b.get("lookup")})
     # temperature, top_p, top_k and every llama-server sampler field, under their own names
     request = generation_request(stops, sampling_params(b), max_tokens, None, **extra, **reasoning.request_fields())
-    return Parsed(msgs, tools, request, reasoning)
+    return Parsed(msgs, tools, request, reasoning, omit)
+
+
+THINKING_DISPLAYS = ("summarized", "omitted")
+
+
+def _omit_thinking(b: Body) -> bool:
+    """thinking.display: "omitted" hides the text of thinking blocks (it rides in their
+    signatures); "summarized", Anthropic's default, shows it."""
+    display = b.obj("thinking").str("display") if b.has("thinking") else None
+    if display is not None and display not in THINKING_DISPLAYS:
+        raise BadRequestError(f"'thinking.display' must be \"summarized\" or \"omitted\"; got {_show(display)}")
+    return display == "omitted"
 
 
 def _check_ignored_shapes(b: Body) -> None:
@@ -462,7 +479,11 @@ def _assistant(blocks: list, where: str) -> list[dict]:
             thought = block.get("thinking")
             if not isinstance(thought, str):
                 raise BadRequestError(f"'{at}.thinking' must be a string, got {_show(thought)}")
-            thoughts.append(thought)  # its signature is ours or another model's: nothing to check
+            # an omitted block (empty thinking) of ours carries its text in its signature;
+            # any other signature is ours or another model's: nothing to check
+            sig = block.get("signature")
+            carried = carried_thinking(sig) if not thought and isinstance(sig, str) else None
+            thoughts.append(carried if carried is not None else thought)
         elif kind == "redacted_thinking":
             continue  # sealed for the model that wrote it: no text to give this one
         else:
@@ -512,10 +533,10 @@ async def create_message(request: Request):
         raise prompt_too_long(len(tokens), n_ctx) from None
     stops = parsed.request.stop
     if b.bool("stream", False):
-        body = message_events(model, job, asked_for, len(tokens), stops)
+        body = message_events(model, job, asked_for, len(tokens), stops, parsed.omit_thinking)
         return stream(request, body, "text/event-stream", lambda: model.scheduler.cancel(job))
     res = await collect(request, model, job)
-    return JSONResponse(message_body(model.engine, res, asked_for, stops))
+    return JSONResponse(message_body(model.engine, res, asked_for, stops, parsed.omit_thinking))
 
 
 async def count_tokens(request: Request):

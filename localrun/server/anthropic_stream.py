@@ -20,7 +20,11 @@ starts, so a model that thinks again between calls gets a thinking block there.
 
 A thinking block's `signature` is opaque to clients, which hand it back with the block;
 here it is a digest of the thinking text (nothing to verify: the history's thinking
-only reaches the template), so a whole answer and a stream carry the same one.
+only reaches the template), so a whole answer and a stream carry the same one. With
+`thinking.display: "omitted"` a block's thinking comes back empty (no thinking_delta is
+streamed) and its signature carries the text instead (CARRIED + base64url), as
+Anthropic's signature carries omitted thinking: handed back, the block gives the
+template its thinking again (anthropic_api reads it with `carried_thinking`).
 
 Usage follows Anthropic: `input_tokens` counts the prompt tokens read afresh, and
 `cache_read_input_tokens` those a previous request left in the KV cache. Which those are
@@ -31,6 +35,7 @@ from message_delta)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import logging
@@ -107,19 +112,36 @@ def _tool_block(call) -> dict | None:
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": arguments}
 
 
-def signature(thinking: str) -> str:
+CARRIED = "localrun-thinking."  # a signature that carries an omitted block's text
+
+
+def signature(thinking: str, omitted: bool = False) -> str:
     """A thinking block's signature (see the module docstring)."""
-    return hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()
+    data = thinking.encode("utf-8", "surrogatepass")
+    if omitted:
+        return CARRIED + base64.urlsafe_b64encode(data).decode("ascii")
+    return hashlib.sha256(data).hexdigest()
 
 
-def thinking_block(thinking: str) -> dict:
-    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
+def carried_thinking(sig: str) -> str | None:
+    """The text an omitted block's signature carries; None for any other signature (a
+    digest, another server's, or one damaged on the way)."""
+    if not sig.startswith(CARRIED):
+        return None
+    try:
+        return base64.urlsafe_b64decode(sig[len(CARRIED):].encode("ascii")).decode("utf-8")
+    except (ValueError, UnicodeError):  # binascii.Error is a ValueError
+        return None
 
 
-def message_body(engine, res: Result, model: str, stops) -> dict:
+def thinking_block(thinking: str, omitted: bool = False) -> dict:
+    return {"type": "thinking", "thinking": "" if omitted else thinking, "signature": signature(thinking, omitted)}
+
+
+def message_body(engine, res: Result, model: str, stops, omit_thinking: bool = False) -> dict:
     """A non-streamed answer: a thinking block, a text block (each left out when empty),
     then one tool_use block per call."""
-    content = [thinking_block(res.reasoning)] if res.reasoning else []
+    content = [thinking_block(res.reasoning, omit_thinking)] if res.reasoning else []
     content += [{"type": "text", "text": res.text}] if res.text else []
     content += [b for b in map(_tool_block, collect_calls(res.tool_calls)) if b is not None]
     stop_reason, stop_sequence = stop_fields(engine, res.finish_reason, res.tokens, stops)
@@ -171,7 +193,8 @@ async def _with_pings(source: AsyncIterator) -> AsyncIterator:
 class _Blocks:
     """The content blocks of a streamed answer, opened and closed as text and calls come."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
+        self.omit_thinking = omit_thinking  # display "omitted": the text goes in the signature
         self.index = -1
         self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.calls: dict[int, int] = {}  # the engine's call index -> block index
@@ -192,7 +215,7 @@ class _Blocks:
             return []
         out = []
         if self.open == "thinking":
-            sig = signature("".join(self.thought))
+            sig = signature("".join(self.thought), self.omit_thinking)
             out.append(self._delta(self.index, {"type": "signature_delta", "signature": sig}))
             self.thought = []
         self.open = None
@@ -203,6 +226,8 @@ class _Blocks:
             return []
         out = self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""}) if self.open != "thinking" else []
         self.thought.append(text)
+        if self.omit_thinking:
+            return out
         return out + [self._delta(self.index, {"type": "thinking_delta", "thinking": text})]
 
     def text(self, text: str) -> list[bytes]:
@@ -221,14 +246,15 @@ class _Blocks:
         return out
 
 
-async def message_events(model, job, name: str, prompt_tokens: int, stops) -> AsyncIterator[bytes]:
+async def message_events(model, job, name: str, prompt_tokens: int, stops,
+                         omit_thinking: bool = False) -> AsyncIterator[bytes]:
     """The SSE body of a streamed answer (see the module docstring)."""
     head = {"id": new_message_id(), "type": "message", "role": "assistant", "model": name, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
     yield sse("message_start", {"type": "message_start", "message": head})
-    blocks = _Blocks()
+    blocks = _Blocks(omit_thinking)
     tail: deque[int] = deque(maxlen=STOP_WINDOW_TOKENS)  # for stop_fields, bounded
     try:
         async for ev in _with_pings(events(model, job)):
