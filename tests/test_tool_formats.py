@@ -266,6 +266,13 @@ def test_harmony_final_answer_and_plain_text():
     # the recipient before the channel, as the template prints earlier calls
     other = '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1, "b": 2}<|call|>'
     assert parse(mt, [other])[2] == [("add", '{"a": 1, "b": 2}')]
+    # no tools, or tool_choice "none": no call can come, so a message to a function is content
+    for choice, tools in ((None, ()), (ToolChoice("none"), TOOLS)):
+        p = mt.output(choice, reasoning=True, tools=tools, prompt="")
+        parts = [p.feed(0, "<|channel|>analysis<|message|>Simple question.<|end|>"), p.feed(0, other), p.finish("")]
+        assert not [d for x in parts for d in x.calls], choice
+        assert "".join(x.reasoning for x in parts) == "Simple question."
+        assert "".join(x.content for x in parts) == '{"a": 1, "b": 2}'
 
 
 def test_deepseek_v31_template_prints_calls_but_not_tools():

@@ -9,7 +9,9 @@ channel (and, for a call, its recipient) and a body.
 `<|channel|>`). The analysis channel is reasoning, final is content, and a message to
 `functions.NAME` is a call; one call ends the answer (`<|call|>` ends generation). The
 recipient may also stand before the channel (`<|start|>assistant to=functions.NAME<|channel|>commentary json`,
-as the template prints earlier calls): the parser reads both.
+as the template prints earlier calls): the parser reads both. Where no call may come (no
+tools, or tool_choice "none") such a message is not a call: its body is content, as a
+model without a call format writes one.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ class HarmonyParser(MarkupParser):
     INITIAL = "open"
     handles_reasoning = True
 
-    def __init__(self, *args, raw_reasoning: bool = False) -> None:
-        super().__init__(*args)
+    def __init__(self, control: frozenset[str], tools: tuple[Tool, ...], new_id, raw_reasoning: bool = False) -> None:
+        super().__init__(control, tools, new_id)
         self.raw_reasoning = raw_reasoning  # analysis goes to content (reasoning_format "none")
+        self.calls_allowed = bool(tools)  # the request's tools, none when no call may come
         self._header: list[str] = []
         self._spacing: list[str] = []  # an answer's opening spacing, until it shows what follows
 
@@ -119,7 +122,7 @@ class HarmonyParser(MarkupParser):
             header = "".join(self._header)
             recipient = _RECIPIENT.search(header)
             channel = _CHANNEL.search(header)
-            if recipient:
+            if recipient and self.calls_allowed:
                 self.begin_call(recipient.group(1))
                 self.state = "args"
             else:
