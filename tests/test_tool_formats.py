@@ -71,6 +71,13 @@ def qwen3_coder(calls, text=TEXT):
     return f"{text}\n" * bool(text) + "\n".join(one(n, a) for n, a in calls)
 
 
+def seed_oss(calls, text=TEXT):
+    def one(name, args):
+        params = "".join(f"<parameter={k}>{xml(v)}</parameter>\n" for k, v in args.items())
+        return f"<seed:tool_call>\n<function={name}>\n{params}</function>\n</seed:tool_call>"
+    return f"{text}\n" * bool(text) + "\n".join(one(n, a) for n, a in calls)
+
+
 def glm(calls, text=TEXT, nl="\n"):
     def one(name, args):
         params = "".join(f"{nl}<arg_key>{k}</arg_key>{nl}<arg_value>{xml(v)}</arg_value>" for k, v in args.items())
@@ -128,6 +135,7 @@ FORMATS = {
     "hermes3": ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "hermes", hermes, TEXT + "\n", True),
     "granite4": ("ibm-granite-granite-4.0.jinja", "hermes", hermes, TEXT + "\n", True),
     "qwen3-coder": ("Qwen3-Coder.jinja", "qwen3-coder", qwen3_coder, TEXT + "\n", True),
+    "seed-oss": ("ByteDance-Seed-OSS.jinja", "seed-oss", seed_oss, TEXT + "\n", True),
     "glm-4.6": ("GLM-4.6.jinja", "glm", glm, TEXT, True),
     "glm-4.7": ("GLM-4.7-Flash.jinja", "glm", lambda c, text=TEXT: glm(c, text, nl=""), TEXT, True),
     "gpt-oss": ("openai-gpt-oss-120b.jinja", "harmony", harmony, "", False),

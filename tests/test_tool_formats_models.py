@@ -35,6 +35,8 @@ ASK = [{"role": "user", "content": "What will the weather be in Lisbon over the 
 FAMILIES = {
     "qwen3-coder": ("Qwen3-Coder.jinja", "<function=get_forecast>\n<parameter=city>\n", {}),
     "glm": ("GLM-4.6.jinja", "<tool_call>get_forecast\n<arg_key>city</arg_key>", {"enable_thinking": False}),
+    "seed-oss": ("ByteDance-Seed-OSS.jinja", "<seed:tool_call>\n<function=get_forecast>\n<parameter=city>",
+                 {"thinking_budget": 0}),
     "kimi": ("Kimi-K2-Instruct.jinja", "<|tool_call_begin|>functions.get_forecast:", {}),
     "mistral-args": ("unsloth-mistral-Devstral-Small-2507.jinja", "[TOOL_CALLS]get_forecast[ARGS]{", {}),
     "mistral": ("mistralai-Mistral-Nemo-Instruct-2407.jinja", '[TOOL_CALLS][{"name": "get_forecast"', {}),

@@ -18,7 +18,7 @@ from .calls import ToolCall, ToolCallDelta, collect_calls, new_call_id
 from .constraint import call_grammar, call_grammar_text
 from .formats import (
     DEEPSEEK_R1, DEEPSEEK_V31, GENERIC, GLM, GLM_COMPACT, GRANITE, HARMONY, HERMES, KIMI, LLAMA3, MISTRAL,
-    MISTRAL_ARGS, QWEN3_CODER, CallFormat, ToolFormat, detect_call_format, detect_format, supports_tools,
+    MISTRAL_ARGS, QWEN3_CODER, SEED_OSS, CallFormat, ToolFormat, detect_call_format, detect_format, supports_tools,
 )
 from .history import history_messages
 from .spec import (
@@ -38,7 +38,7 @@ from .stream import CallStream
 
 __all__ = [
     "DEEPSEEK_R1", "DEEPSEEK_V31", "GENERIC", "GLM", "GLM_COMPACT", "GRANITE", "HARMONY", "HARMONY_REASONING",
-    "HERMES", "KIMI", "LLAMA3", "MISTRAL", "MISTRAL_ARGS", "MISTRAL_THINK", "QWEN3_CODER", "SEED_THINK", "THINK",
+    "HERMES", "KIMI", "LLAMA3", "MISTRAL", "MISTRAL_ARGS", "MISTRAL_THINK", "QWEN3_CODER", "SEED_OSS", "SEED_THINK", "THINK",
     "MAX_DESCRIPTION_CHARS", "MAX_TOOL_SCHEMA_BYTES", "MAX_TOOL_SCHEMAS_BYTES", "MAX_TOOLS", "CallFormat",
     "CallStream", "ReasoningFormat", "ReplyParser", "ReplyPiece", "Tool", "ToolCall", "ToolCallDelta",
     "ToolChoice", "ToolFormat", "ToolsUnsupportedError", "call_grammar", "call_grammar_text", "collect_calls",

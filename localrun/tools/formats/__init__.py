@@ -6,7 +6,7 @@ calls say which format the model was trained to write (each module's docstring s
 its format):
 
     json_calls.py    hermes, mistral (array), granite, llama3, generic: JSON call objects
-    xml_calls.py     qwen3-coder, glm: one tag per parameter, typed by the schema
+    xml_calls.py     qwen3-coder, seed-oss, glm: one tag per parameter, typed by the schema
     tagged_calls.py  kimi, deepseek-v3.1, deepseek-r1, mistral-args: name, then JSON arguments
     harmony.py       gpt-oss: channels; a call is a message to functions.NAME
 
@@ -23,14 +23,14 @@ import re
 from .harmony import HARMONY, HarmonyFormat
 from .json_calls import BARE_FENCE, BARE_FENCE_END, BARE_SEPARATOR, GENERIC, GRANITE, HERMES, LLAMA3, MISTRAL, ToolFormat
 from .tagged_calls import DEEPSEEK_R1, DEEPSEEK_V31, KIMI, MISTRAL_ARGS, TaggedFormat
-from .xml_calls import GLM, GLM_COMPACT, QWEN3_CODER, XmlFormat
+from .xml_calls import GLM, GLM_COMPACT, QWEN3_CODER, SEED_OSS, XmlFormat
 
 CallFormat = ToolFormat | XmlFormat | TaggedFormat | HarmonyFormat
 
 __all__ = [
     "BARE_FENCE", "BARE_FENCE_END", "BARE_SEPARATOR", "CallFormat", "DEEPSEEK_R1", "DEEPSEEK_V31", "GENERIC",
     "GLM", "GLM_COMPACT", "GRANITE", "HARMONY", "HERMES", "KIMI", "LLAMA3", "MISTRAL", "MISTRAL_ARGS",
-    "QWEN3_CODER", "HarmonyFormat", "TaggedFormat", "ToolFormat", "XmlFormat", "detect_call_format",
+    "QWEN3_CODER", "SEED_OSS", "HarmonyFormat", "TaggedFormat", "ToolFormat", "XmlFormat", "detect_call_format",
     "detect_format", "supports_tools",
 ]
 
@@ -60,7 +60,9 @@ def detect_call_format(template: str) -> CallFormat:
         return DEEPSEEK_R1 if "```json" in template else DEEPSEEK_V31
     if "<arg_key>" in template:
         return GLM_COMPACT if "</arg_key><arg_value>" in template else GLM
-    if "<function=" in template and "<parameter=" in template and "<seed:tool_call>" not in template:
+    if "<seed:tool_call>" in template and "<function=" in template:
+        return SEED_OSS
+    if "<function=" in template and "<parameter=" in template:
         return QWEN3_CODER
     if "[TOOL_CALLS]" in template:
         return MISTRAL_ARGS if "[ARGS]" in template else MISTRAL

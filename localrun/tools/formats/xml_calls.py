@@ -2,6 +2,8 @@
 
     qwen3-coder  <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>
                  (Qwen3-Coder, Qwen3.5); calls follow each other after a newline
+    seed-oss     <seed:tool_call>\\n<function=NAME>\\n<parameter=KEY>VALUE</parameter>\\n</function>\\n</seed:tool_call>
+                 (Seed-OSS): the same, with its own wrapper and no newlines around VALUE
     glm          <tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call>
                  (GLM-4.5/4.6; GLM-4.7 writes the same without the newlines)
 
@@ -28,12 +30,14 @@ class XmlFormat(TriggeredCalls):
     name: str
     trigger: str = "<tool_call>"
     newline: str = "\n"  # GLM-4.7 writes its tags with nothing between them
+    close: str = "</tool_call>"
+    value_newlines: bool = True  # <parameter=KEY>\nVALUE\n</parameter> (Qwen) or <parameter=KEY>VALUE</parameter>
 
     @property
     def markers(self) -> tuple[str, ...]:
         if self.name == "glm":
             return ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
-        return ("<tool_call>", "</tool_call>")
+        return (self.trigger, self.close)
 
     # -- grammar -------------------------------------------------------------------
 
@@ -47,7 +51,7 @@ class XmlFormat(TriggeredCalls):
             more = f"({nl} {lit(self.trigger)} call)*" if parallel else ""
             lines.append(f"calls: call {more}")
         else:
-            one = f'"\\n" call "\\n" {lit("</tool_call>")}'
+            one = f'"\\n" call "\\n" {lit(self.close)}'
             more = f'("\\n" {lit(self.trigger)} {one})*' if parallel else ""
             lines.append(f"calls: {one} {more}")
         return lines
@@ -68,11 +72,12 @@ class XmlFormat(TriggeredCalls):
                 return f"{nl} {key_open} {key_item} {key_close} {nl} {value_open}"
         else:
             head = json.dumps(f"<function={tool.name}>\n")
-            end = "\n</parameter>\n"
+            nl = "\n" if self.value_newlines else ""
+            end = f"{nl}</parameter>\n"
             tail = '"</function>"'
 
             def opening(key_item: str) -> str:
-                return f'"<parameter=" {key_item} ">\\n"'
+                return f'"<parameter=" {key_item} {json.dumps(">" + nl)}'
         end_item, end_is_token = lit(end), lit.is_token(end)
         if isinstance(props, dict):
             for j, (key, sub) in enumerate(props.items()):
@@ -90,11 +95,12 @@ class XmlFormat(TriggeredCalls):
     # -- parsing -------------------------------------------------------------------
 
     def parser(self, control: frozenset[str], tools: tuple[Tool, ...], new_id) -> MarkupParser:
-        cls = GlmParser if self.name == "glm" else QwenXmlParser
+        cls = {"glm": GlmParser, "seed-oss": SeedXmlParser}.get(self.name, QwenXmlParser)
         return cls(control, tools, new_id)
 
 
 QWEN3_CODER = XmlFormat("qwen3-coder")
+SEED_OSS = XmlFormat("seed-oss", trigger="<seed:tool_call>", close="</seed:tool_call>", value_newlines=False)
 GLM = XmlFormat("glm")
 GLM_COMPACT = XmlFormat("glm", newline="")
 
@@ -140,19 +146,25 @@ class _XmlParser(MarkupParser):
         self.end_call()
 
 
+def _function_states(opening: str, closing: str, value_end: str) -> dict[str, dict[str, str]]:
+    """The states of <function=NAME><parameter=KEY>VALUE...</function> calls inside
+    `opening`...`closing`, a VALUE ending at `value_end`."""
+    return {
+        "text": {opening: "call"},
+        "call": {"<function=": "fname", closing: "after"},
+        "fname": {">": "params"},
+        "params": {"<parameter=": "pname", "</function>": "call"},
+        "pname": {">": "pvalue"},
+        "pvalue": {value_end: "params"},
+        "after": {opening: "call"},
+    }
+
+
 class QwenXmlParser(_XmlParser):
     """<function=NAME> then <parameter=KEY>VALUE</parameter> per argument, VALUE between
     newlines: the parser drops the first, and the second opens the end marker."""
 
-    STATES = {
-        "text": {"<tool_call>": "call"},
-        "call": {"<function=": "fname", "</tool_call>": "after"},
-        "fname": {">": "params"},
-        "params": {"<parameter=": "pname", "</function>": "call"},
-        "pname": {">": "pvalue"},
-        "pvalue": {"\n</parameter>": "params"},
-        "after": {"<tool_call>": "call"},
-    }
+    STATES = _function_states("<tool_call>", "</tool_call>", "\n</parameter>")
     BUFFERED = ("fname", "pname", "pvalue")
 
     def leave(self, state: str, marker: str, text: str) -> None:
@@ -164,6 +176,18 @@ class QwenXmlParser(_XmlParser):
             self._args.add(self._key, text[1:] if text.startswith("\n") else text)
         elif marker == "</function>":
             self._end()
+
+
+class SeedXmlParser(QwenXmlParser):
+    """Qwen's tags inside <seed:tool_call>, each VALUE written right between its tags."""
+
+    STATES = _function_states("<seed:tool_call>", "</seed:tool_call>", "</parameter>")
+
+    def leave(self, state: str, marker: str, text: str) -> None:
+        if state == "pvalue":
+            self._args.add(self._key, text)
+        else:
+            super().leave(state, marker, text)
 
 
 class GlmParser(_XmlParser):
