@@ -115,14 +115,32 @@ def test_rows_whose_coarse_bound_fails_still_give_the_exact_top_k():
             assert ids == want and values == x[want].tolist()
 
 
-def test_a_grammar_masked_row_falls_back_to_the_staged_chain():
-    x = np.full(262_144, -np.inf, np.float32)
-    x[[5, 70_000, 200_000]] = [1.0, 3.0, 2.0]  # fewer allowed ids than k
-    fused, staged = fused_and_staged(3)
-    ids, probs = fused.distribution(x, [])
-    want_ids, want_probs = staged.distribution(x, [])
-    assert sorted(ids.tolist()) == sorted(want_ids.tolist()) == [5, 70_000, 200_000]
-    np.testing.assert_allclose(np.sort(probs), np.sort(want_probs), atol=1e-12)
+@pytest.mark.parametrize("chain", CHAINS)
+def test_a_grammar_masked_row_gives_the_staged_chains_tokens_and_draws(chain, monkeypatch):
+    """Fewer allowed ids than k: the fused path's candidates are the staged chain's of
+    nonzero probability, with the same probabilities and draws; a NaN row or one that
+    allows nothing is still the staged chain's."""
+    rng = np.random.default_rng(len(chain))
+    x = np.full(151_936, -np.inf, np.float32)
+    n = CHAINS[chain].get("top_k", 40) - 1  # one fewer than k
+    x[rng.choice(151_936, n, replace=False)] = rng.standard_normal(n) * 3
+    fused, staged = fused_and_staged(3, **CHAINS[chain])
+    history = np.flatnonzero(x > -np.inf)[:2].tolist()  # penalised tokens among the allowed ones
+    calls = []
+    allowed = FusedChain.allowed
+    monkeypatch.setattr(FusedChain, "allowed", lambda self, row: calls.append(1) or allowed(self, row))
+    ids, probs = fused.distribution(x, history)
+    assert calls  # the fused path took the row
+    want_ids, want_probs = staged.distribution(x, history)
+    kept = want_probs > 0
+    np.testing.assert_array_equal(ids, want_ids[kept])
+    np.testing.assert_allclose(probs, want_probs[kept], rtol=0, atol=1e-6)
+    assert [fused.sample(x, history) for _ in range(50)] == [staged.sample(x, history) for _ in range(50)]
+    chain_plan = FusedChain.plan(SamplingParams(**CHAINS[chain]))
+    assert chain_plan.allowed(np.full(151_936, -np.inf, np.float32)) is None
+    nan_row = x.copy()
+    nan_row[7] = np.nan
+    assert chain_plan.allowed(nan_row) is None
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,11 @@ distinct calls, not the work. So this path:
   7th digit, and the candidates and draws are the staged chain's except where a top-p
   cut or a uniform falls within that of a boundary (tests/test_sampling_fused.py).
 
-Anything else (mirostat, a truncation before top-k, typical, XTC that can fire,
-top-n-sigma, dynamic temperature, no top-k, a small row) uses the staged chain.
+A grammar-masked row with fewer than k allowed tokens takes this path too, with those
+tokens as its candidates (the staged chain's top-k would make up k with -inf logits,
+each of probability zero). Anything else (mirostat, a truncation before top-k, typical,
+XTC that can fire, top-n-sigma, dynamic temperature, no top-k, a small row) uses the
+staged chain.
 DRY and logit bias still work here: they run as stages on a `_Cands` and their patch
 goes into the row the same way.
 """
@@ -138,7 +141,7 @@ class FusedChain:
         finally:
             if saved is not None and work is row:
                 self.restore(row, saved)
-        if top is None:  # a row whose bound is -inf (grammar-masked) or NaN
+        if top is None:  # a row with a NaN, or with no allowed token
             return None
         return self.truncate(*top)
 
@@ -194,11 +197,26 @@ class FusedChain:
 
     def top(self, row: np.ndarray) -> tuple[list[int], list[float]] | None:
         """The k largest logits, sorted descending (ties: the lower id first), and their
-        ids: the C module's one pass where it is built (_topk.c), else numpy's. None for
-        a row with a NaN or fewer than k logits above -inf (grammar-masked)."""
-        if _native_top_k is not None:
-            return _native_top_k(row, self.k)
-        return self.top_numpy(row)
+        ids: the C module's one pass where it is built (_topk.c), else numpy's; for a
+        grammar-masked row with fewer than k logits above -inf, those (`allowed`). None
+        for a row with a NaN or none allowed."""
+        top = _native_top_k(row, self.k) if _native_top_k is not None else self.top_numpy(row)
+        return top if top is not None else self.allowed(row)
+
+    def allowed(self, row: np.ndarray) -> tuple[list[int], list[float]] | None:
+        """A grammar-masked row's logits above -inf, sorted as `top` sorts, when there are
+        fewer than k: what the staged chain keeps with a probability above zero (its
+        top-k makes up k with -inf logits, which every later cut and the draw pass by).
+        Two numpy passes where the staged chain made a dozen calls (~0.3 ms a token with
+        a grammar in a tight spot). None where a NaN, not the mask, is the reason."""
+        ids = np.flatnonzero(row != -np.inf)  # a NaN stays in sight, to be refused below
+        if not 0 < ids.size < self.k:
+            return None
+        values = row[ids]
+        if np.isnan(values).any():
+            return None
+        order = np.argsort(-values, kind="stable")
+        return ids[order].tolist(), values[order].tolist()
 
     def top_numpy(self, row: np.ndarray) -> tuple[list[int], list[float]] | None:
         """`top` in numpy. View the row as (rows, GROUPS): one pass for the column
