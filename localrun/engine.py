@@ -30,8 +30,9 @@ from .prompt import chat_template as chat_template_module
 from . import slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
-from .grammar.core import GrammarMatcher, build_tokenizer
 from .grammar.json_budget import CLOSING_RESERVE, BudgetTokens, budget_tokens, inside_string, narrow
+from .grammar.matcher import GrammarMatcher
+from .grammar.tokenizer import build_tokenizer
 from .request import GenerationRequest, check_template_kwargs, prepare, request_or_options, with_thinking_aliases
 from .store.local import resolve_model
 from .sampling import Sampler, TokenText

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import LocalrunError
-from .grammar.core import GrammarMatcher
+from .grammar.matcher import GrammarMatcher
 from .sampling import Sampler
 from .speculation.proposer import Proposer
 from .textstream import StopMatcher, Utf8Stream

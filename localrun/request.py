@@ -90,7 +90,9 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import BadRequestError, client_integer
-from .grammar.core import COMPILE_BUDGET_S, Grammar, GrammarMatcher, build_tokenizer
+from .grammar.core import COMPILE_BUDGET_S, Grammar
+from .grammar.matcher import GrammarMatcher
+from .grammar.tokenizer import build_tokenizer
 from .sampling import SamplingParams
 from .sampling.declare import MAX_N_PROBS
 from .speculation.lookup import LookupConfig

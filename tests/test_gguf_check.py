@@ -1,94 +1,28 @@
-"""The GGUF validator rejects malformed files with MalformedGGUFError, and only that.
+"""The GGUF validator rejects malformed files with MalformedGGUFError, and only that:
+the valid file's summary, then corrupt headers, key/value pairs and tensor infos,
+truncation, random byte flips, and real models read quickly (header bytes only).
 
-A small valid file is written with gguf.GGUFWriter; corrupt copies are made by
-patching fields whose byte offsets the reader itself reports (`read_header(trace=...)`),
-so no offset is a magic number. The same reader reads a prefix of a file (`pull`'s
-remote header): too few bytes is a distinct, recoverable NeedMoreBytes.
+The valid file and its corrupt copies come from gguf_files.py. A prefix of a file
+(`pull`'s remote header) and errors that never quote a file are in
+test_gguf_check_untrusted.py; split models in test_gguf_check_split.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import pickle
 import random
 import struct
-from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
-from gguf.quants import quantize
 
+from gguf_files import (  # noqa: F401 - valid_gguf is the fixture `valid`
+    PER_LAYER, TENSORS, TOKENS, field, label_of, patched, rejects, valid_gguf, write_valid,
+)
+from localrun.errors import MalformedModelError, ModelNotFoundError
 from localrun.model import gguf_header
-from localrun.errors import LocalrunError, MalformedModelError, ModelNotFoundError, UnsupportedFormatError
-from localrun.model.gguf_check import (ArrayInfo, GGUFHeader, MalformedGGUFError, TensorInfo, check_gguf, is_gguf,
-                                 split_part_paths)
-from localrun.model.gguf_header import MAX_HEADER_BYTES, SMALL_ARRAY, NeedMoreBytes, read_header, read_header_prefix
-
-Q8 = gguf.GGMLQuantizationType.Q8_0
-F16 = gguf.GGMLQuantizationType.F16
-F32 = gguf.GGMLQuantizationType.F32
-
-TOKENS = ["<s>", "</s>", "hello", "wörld"]
-PER_LAYER = [float(i) / 2 for i in range(100)]  # a number array of <= 512: kept whole (per-layer values)
-RNG = np.random.default_rng(0)
-TENSORS = {  # name -> (numpy array as written, ggml type)
-    "a.weight": (RNG.standard_normal((3, 8)).astype(np.float32), F32),
-    "b.weight": (RNG.standard_normal((5,)).astype(np.float16), F16),
-    "c.weight": (RNG.standard_normal((2, 64)).astype(np.float32), Q8),
-}
-
-
-def write_valid(path: Path, alignment: int | None = None) -> Path:
-    w = gguf.GGUFWriter(path, arch="llama")
-    if alignment is not None:
-        w.add_custom_alignment(alignment)
-    w.add_name("tiny test")
-    w.add_context_length(128)
-    w.add_bool("test.flag", True)
-    w.add_float32("test.eps", 0.5)
-    w.add_int64("test.big", -(2**40))
-    w.add_array("tokenizer.ggml.tokens", TOKENS)
-    w.add_array("test.per_layer", PER_LAYER)
-    for name, (arr, qtype) in TENSORS.items():
-        w.add_tensor(name, quantize(arr, Q8) if qtype == Q8 else arr, raw_dtype=Q8 if qtype == Q8 else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-@pytest.fixture(scope="module")
-def valid(tmp_path_factory) -> tuple[Path, bytes, dict[str, int]]:
-    """The valid file, its bytes, and label -> byte offset of every parsed field."""
-    path = write_valid(tmp_path_factory.mktemp("gguf") / "valid.gguf")
-    trace: list[tuple[str, int]] = []
-    read_header(path, trace)
-    return path, path.read_bytes(), dict(trace)
-
-
-def field(offsets: dict[str, int], kind: str, key_or_tensor: str, data: bytes) -> int:
-    """Offset of a kv's/tensor's field, found by reading the name at each candidate."""
-    for label, at in offsets.items():
-        if label.endswith(".key" if kind == "kv" else ".name"):
-            (n,) = struct.unpack_from("<Q", data, at)
-            if data[at + 8:at + 8 + n].decode() == key_or_tensor:
-                return at
-    raise KeyError(key_or_tensor)
-
-
-def label_of(offsets: dict[str, int], at: int) -> str:
-    return next(label for label, off in offsets.items() if off == at)
-
-
-def patched(tmp_path: Path, data: bytes, at: int, fmt: str, value) -> Path:
-    buf = bytearray(data)
-    struct.pack_into(fmt, buf, at, value)
-    p = tmp_path / "bad.gguf"
-    p.write_bytes(bytes(buf))
-    return p
+from localrun.model.gguf_check import ArrayInfo, GGUFHeader, MalformedGGUFError, TensorInfo, check_gguf, is_gguf
+from localrun.model.gguf_header import SMALL_ARRAY, read_header
 
 
 @pytest.fixture
@@ -109,17 +43,6 @@ def reads(monkeypatch) -> dict:
     monkeypatch.setattr(gguf_header._Cursor, "read", spy_read)
     monkeypatch.setattr(gguf_header._Cursor, "_skip_strings", spy_skip)
     return seen
-
-
-def rejects(path: Path, *words: str) -> MalformedGGUFError:
-    with pytest.raises(MalformedGGUFError) as ei:
-        check_gguf(path)
-    msg = str(ei.value)
-    assert "\n" not in msg and str(path) in msg and "at byte" in msg
-    assert msg.endswith("download it again")
-    for w in words:
-        assert w in msg, msg
-    return ei.value
 
 
 # --- the valid file ---------------------------------------------------------
@@ -355,225 +278,6 @@ def test_duplicate_tensor_name(valid, tmp_path):
     _, data, off = valid
     at = off["tensor[1].name"] + 8
     rejects(patched(tmp_path, data, at, "1s", b"a"), "duplicate tensor")
-
-
-# --- a prefix of a file (pull's remote header) ---------------------------------
-
-def test_every_short_prefix_needs_more_bytes_then_reads_as_the_file(valid):
-    """Each cut inside the header asks for more (never an error); enough bytes read exactly
-    what the whole file reads, with or without the file's size."""
-    path, data, off = valid
-    whole = check_gguf(path)
-    answers = []
-    for n in range(off["data"] + 1):
-        try:
-            assert read_header_prefix(data[:n], len(data), "remote.gguf") == whole
-            answers.append("ok")
-        except NeedMoreBytes as more:
-            assert n < more.at_least <= off["data"], (n, more.at_least)
-            answers.append("more")
-    first_ok = answers.index("ok")
-    assert set(answers[:first_ok]) == {"more"} and set(answers[first_ok:]) == {"ok"}
-    assert first_ok > off["tensor[2].offset"]  # the last field of the last tensor info is needed
-    unknown_size = read_header_prefix(data[:off["data"]], None, "remote.gguf")
-    assert unknown_size == dataclasses.replace(whole, file_size=None)
-
-
-def test_asking_for_what_was_asked_reaches_the_header(valid):
-    """Fetching exactly `at_least` each time ends, never asking for more than the header."""
-    assert not issubclass(NeedMoreBytes, LocalrunError)  # an outcome to act on, not an error
-    _, data, off = valid
-    have, header = 1, None
-    while header is None:
-        try:
-            header = read_header_prefix(data[:have], len(data), "remote.gguf")
-        except NeedMoreBytes as more:
-            assert more.at_least > have
-            have = more.at_least
-    assert header.n_tensors == len(TENSORS) and have <= off["data"]
-
-
-def test_a_prefix_is_checked_against_the_files_size(valid):
-    """A header longer than the file, or tensor data past its end: malformed, not 'need more'."""
-    _, data, off = valid
-    with pytest.raises(MalformedGGUFError, match="truncated"):
-        read_header_prefix(data, off["tensor[1].name"], "remote.gguf")
-    with pytest.raises(MalformedGGUFError, match=r"tensor #0 data .* runs past the end"):
-        read_header_prefix(data, off["data"], "remote.gguf")
-
-
-def test_a_prefix_keeps_the_limits(valid, tmp_path):
-    """An absurd length or count fails at once even when the file's size is unknown: the
-    header limit bounds it, so a hostile server cannot make pull fetch forever. A (sparse)
-    300 MiB file claiming a 280 MiB string stops at the limit too, not at its size."""
-    _, data, off = valid
-    value_at = off[label_of(off, field(off, "kv", "general.name", data)).replace(".key", ".value")]
-    buf = bytearray(data)
-    struct.pack_into("<Q", buf, value_at, MAX_HEADER_BYTES)
-    with pytest.raises(MalformedGGUFError, match="header limit") as ei:
-        read_header_prefix(bytes(buf), None, "remote.gguf")
-    assert ei.value.offset == value_at
-    struct.pack_into("<Q", buf, value_at, 1 << 20)  # long but possible: ask for the bytes it needs
-    with pytest.raises(NeedMoreBytes) as more:
-        read_header_prefix(bytes(buf), None, "remote.gguf")
-    assert more.value.at_least == value_at + 8 + (1 << 20)
-    buf = bytearray(data)
-    struct.pack_into("<Q", buf, off["n_kv"], 2**40)
-    with pytest.raises(MalformedGGUFError, match="kv count"):
-        read_header_prefix(bytes(buf[:64]), None, "remote.gguf")
-    nested = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k" + struct.pack("<I", 9)
-    nested += struct.pack("<IQ", 9, 1) * 6 + struct.pack("<IQ", 0, 0)  # arrays of arrays, 6 deep
-    with pytest.raises(MalformedGGUFError, match="nested deeper than 4"):
-        read_header_prefix(nested, None, "remote.gguf")
-    with open(tmp_path / "huge.gguf", "wb") as f:
-        f.write(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1) + b"k" + struct.pack("<IQ", 8, 280 << 20))
-        f.truncate(300 << 20)
-    rejects(tmp_path / "huge.gguf", "header limit")
-
-
-# --- errors never quote the file ---------------------------------------------
-
-def test_a_non_gguf_file_is_refused_without_echoing_its_bytes(tmp_path):
-    """`/api/show {"model": "~/.ssh/id_ed25519"}` must not answer with the key's first bytes."""
-    secret = tmp_path / "id_ed25519"
-    secret.write_bytes(b"SECRETKEY-0123456789abcdef" * 8)
-    e = rejects(secret, "bad magic", "not a GGUF file")
-    for leak in ("SECR", "SECRETKEY", repr(b"SECR"), "0123"):
-        assert leak not in str(e), str(e)
-    assert not is_gguf(secret)
-    with pytest.raises(MalformedGGUFError) as ei:  # the same bytes as a remote file's prefix
-        read_header_prefix(secret.read_bytes(), None, "org/repo/model.gguf (remote)")
-    assert str(ei.value).startswith("org/repo/model.gguf (remote): malformed GGUF: bad magic")
-    assert "SECR" not in str(ei.value) and "0123" not in str(ei.value)
-
-
-def test_string_and_type_errors_do_not_echo_keys_or_values(tmp_path):
-    p = tmp_path / "k.gguf"
-    w = gguf.GGUFWriter(p, arch="llama")
-    w.add_string("secret.token", "hunter2")
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    data = p.read_bytes()
-    trace: list = []
-    read_header(p, trace)
-    off = dict(trace)
-    type_at = off[label_of(off, field(off, "kv", "secret.token", data)).replace(".key", ".type")]
-    e = rejects(patched(tmp_path, data, type_at, "<I", 99), "value type")
-    assert "secret.token" not in str(e)
-
-    w = gguf.GGUFWriter(p, arch="llama")
-    w.add_string("general.alignment", "hunter2")  # a string where a number belongs: refused, not quoted
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    e = rejects(p, "general.alignment")
-    assert "hunter2" not in str(e)
-
-
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
-def test_a_fifo_is_refused_without_blocking(tmp_path):
-    """Opening a FIFO for reading waits for a writer: a request naming one must not hang a thread."""
-    import threading
-
-    fifo = tmp_path / "model.gguf"
-    os.mkfifo(fifo)
-    outcome: dict = {}
-
-    def check() -> None:
-        try:
-            check_gguf(fifo)
-        except Exception as exc:  # noqa: BLE001 - the test looks at the type below
-            outcome["error"] = exc
-        outcome["gguf"] = is_gguf(fifo)
-
-    t = threading.Thread(target=check, daemon=True)
-    t.start()
-    t.join(5)
-    if t.is_alive():  # unblock the reader so the test process can end, then fail
-        with open(fifo, "wb"):
-            pass  # opening the write end is what releases the blocked reader
-        t.join(5)
-        pytest.fail("check_gguf blocked on a FIFO")
-    assert isinstance(outcome["error"], UnsupportedFormatError) and "not a regular file" in str(outcome["error"])
-    assert outcome["gguf"] is False
-
-
-# --- split models (gguf-split: name-00001-of-00003.gguf, ...) ---------------------
-
-def write_split(folder: Path, stem: str = "model") -> list[Path]:
-    """A model split one tensor per part, as gguf-split writes it (split.no/count/tensors.count)."""
-    w = gguf.GGUFWriter(folder / f"{stem}.gguf", arch="llama", split_max_tensors=1)
-    w.add_name("split test")
-    for name, (arr, qtype) in TENSORS.items():
-        w.add_tensor(name, quantize(arr, Q8) if qtype == Q8 else arr, raw_dtype=Q8 if qtype == Q8 else None)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    parts = [folder / f"{stem}-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
-    assert all(p.is_file() for p in parts)
-    return parts
-
-
-@pytest.fixture
-def split(tmp_path) -> list[Path]:
-    return write_split(tmp_path)
-
-
-def test_split_model_passes_and_parts_are_where_llama_cpp_looks(split):
-    import ctypes
-
-    import llama_cpp
-
-    s = check_gguf(split[0])
-    assert (s.metadata["split.no"], s.metadata["split.count"], s.metadata["split.tensors.count"]) == (0, 3, 3)
-    assert [t.name for t in s.tensors] == ["a.weight"]  # the summary is the first part's
-    assert split_part_paths(split[0], 3) == [str(p) for p in split]
-    prefix = str(split[0])[: -len("-00001-of-00003.gguf")]
-    for i, part in enumerate(split):  # llama.cpp's own naming rule gives the same paths
-        buf = ctypes.create_string_buffer(4096)
-        n = llama_cpp.llama_split_path(buf, len(buf), prefix.encode(), i, 3)
-        assert buf.value[:n].decode() == str(part)
-
-
-def test_a_missing_part_is_named(split):
-    split[1].unlink()
-    with pytest.raises(ModelNotFoundError) as ei:
-        check_gguf(split[0])
-    msg = str(ei.value)
-    assert "\n" not in msg and str(split[1]) in msg and "part 2 of 3" in msg and "missing" in msg
-
-
-def test_a_truncated_part_is_named(split):
-    data = split[2].read_bytes()
-    split[2].write_bytes(data[: len(data) - 40])
-    e = rejects(split[2], "truncated")  # the part on its own
-    with pytest.raises(MalformedGGUFError) as ei:
-        check_gguf(split[0])  # and through the first part, as a load would
-    msg = str(ei.value)
-    assert f"{split[2]} (part 3 of 3)" in msg and "truncated" in msg and "\n" not in msg
-    assert e.offset == ei.value.offset
-
-
-def test_bad_magic_in_part_two_is_named_without_its_bytes(split):
-    data = split[1].read_bytes()
-    split[1].write_bytes(b"SECR" + data[4:])
-    with pytest.raises(MalformedGGUFError) as ei:
-        check_gguf(split[0])
-    msg = str(ei.value)
-    assert f"{split[1]} (part 2 of 3)" in msg and "bad magic" in msg and "SECR" not in msg
-
-
-def test_a_later_part_alone_is_refused_with_the_way_out(split):
-    with pytest.raises(UnsupportedFormatError, match=r"part 2 of a model split in 3; open its first part"):
-        check_gguf(split[1])
-
-
-def test_a_part_under_the_wrong_name_is_refused(split):
-    split[1].write_bytes(split[2].read_bytes())  # part 3's bytes under part 2's name
-    with pytest.raises(MalformedModelError, match=r"part 2 of 3\): its split.no does not say part 2"):
-        check_gguf(split[0])
-
-
-def test_a_renamed_first_part_cannot_find_its_parts(split, tmp_path):
-    renamed = tmp_path / "model.gguf"
-    split[0].rename(renamed)
-    with pytest.raises(UnsupportedFormatError, match=r"does not end in '-00001-of-00003.gguf'"):
-        check_gguf(renamed)
 
 
 # --- random corruption ------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Constrained decoding (localrun.grammar.core): grammar sources and their errors, the
-tokenizer built from each backend, the matcher's state moves, and seeded generations
-on real models (and random walks through MLX's masks) whose every finished output must
-parse.
+"""Constrained decoding (localrun.grammar's core, tokenizer and matcher): grammar
+sources and their errors, the tokenizer built from each backend, the matcher's state
+moves, and seeded generations on real models (and random walks through MLX's masks)
+whose every finished output must parse.
 
 The llama.cpp example grammars come from scripts/fetch_grammars.py. Timings print with
 `pytest -s`, prefixed "grammar-timing".
@@ -19,7 +19,9 @@ import pytest
 from conftest import MODELS
 from localrun.backends.base import BatchEntry
 from localrun.errors import BadRequestError
-from localrun.grammar.core import Grammar, GrammarMatcher, build_tokenizer
+from localrun.grammar.core import Grammar
+from localrun.grammar.matcher import GrammarMatcher
+from localrun.grammar.tokenizer import build_tokenizer
 
 GRAMMARS = MODELS / "grammars"
 GBNF_FILES = sorted(GRAMMARS.glob("*.gbnf")) if GRAMMARS.is_dir() else []

@@ -29,7 +29,9 @@ from fakes import EOS, ScriptedBackend, make_info
 from localrun.grammar import gbnf
 from localrun.grammar import core as grammar
 from localrun.errors import BadRequestError
-from localrun.grammar.core import Grammar, GrammarMatcher, build_tokenizer
+from localrun.grammar.core import Grammar
+from localrun.grammar.matcher import GrammarMatcher
+from localrun.grammar.tokenizer import build_tokenizer
 
 GUARD_S = 10
 REPO = Path(__file__).resolve().parents[1]
@@ -283,7 +285,9 @@ DEEP_CHAIN = textwrap.dedent(
     import sys
     sys.path.insert(0, "tests")
     from fakes import EOS, ScriptedBackend, make_info
-    from localrun.grammar.core import Grammar, GrammarMatcher, build_tokenizer
+    from localrun.grammar.core import Grammar
+    from localrun.grammar.matcher import GrammarMatcher
+    from localrun.grammar.tokenizer import build_tokenizer
     n = 8000  # about 100 KiB of Lark
     lark = "%llguidance {}\\nstart: r1\\n" + "".join(f"r{i}: r{i + 1}\\n" for i in range(1, n)) + f'r{n}: "a"\\n'
     n = 5000  # about 180 KiB of JSON

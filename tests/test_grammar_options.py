@@ -32,8 +32,10 @@ import pytest
 import localrun.grammar.core as grammar_module
 from localrun.engine import Engine
 from localrun.errors import BadRequestError
-from localrun.grammar.core import LLG_OPTIONS, Grammar, GrammarMatcher, build_tokenizer, lark_spec
+from localrun.grammar.core import LLG_OPTIONS, Grammar, lark_spec
 from localrun.grammar.json_budget import budget_tokens, inside_string, narrow
+from localrun.grammar.matcher import GrammarMatcher
+from localrun.grammar.tokenizer import build_tokenizer
 from localrun.request import GenerationRequest, prepare
 from localrun.sampling import SamplingParams
 from localrun.tools import HERMES, ToolChoice, call_grammar, parse_tools
@@ -199,7 +201,8 @@ ATTACKS = textwrap.dedent(
     resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a regression fails here, not the machine
     from localrun.engine import Engine
     from localrun.errors import BadRequestError
-    from localrun.grammar.core import Grammar, build_tokenizer
+    from localrun.grammar.core import Grammar
+    from localrun.grammar.tokenizer import build_tokenizer
     from localrun.request import GenerationRequest, prepare
     from localrun.sampling import SamplingParams
 

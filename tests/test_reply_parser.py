@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from localrun.grammar.core import build_tokenizer
+from localrun.grammar.tokenizer import build_tokenizer
 from localrun.prompt.chat_template import render
 from localrun.tools import ToolChoice, collect_calls
 from localrun.tools.model import ModelTools

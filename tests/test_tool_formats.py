@@ -12,7 +12,8 @@ import json
 import pytest
 
 from conftest import MODELS
-from localrun.grammar.core import GrammarMatcher, build_tokenizer
+from localrun.grammar.matcher import GrammarMatcher
+from localrun.grammar.tokenizer import build_tokenizer
 from localrun.tools import DEEPSEEK_V31, ToolChoice, collect_calls, detect_call_format, parse_tools
 from localrun.tools.model import ModelTools
 

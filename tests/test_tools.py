@@ -13,7 +13,9 @@ import pytest
 from localrun.prompt.chat_template import MAX_TEMPLATE_FILE_BYTES, load_template_file
 from localrun.engine import Engine
 from localrun.errors import BadRequestError
-from localrun.grammar.core import Grammar, GrammarMatcher, build_tokenizer
+from localrun.grammar.core import Grammar
+from localrun.grammar.matcher import GrammarMatcher
+from localrun.grammar.tokenizer import build_tokenizer
 from localrun.request import GenerationRequest
 from localrun.sampling import SamplingParams
 from localrun.tools import (

@@ -1,9 +1,9 @@
 """Constrained decoding: one token-mask engine (llguidance) for every backend.
 
-    tok = build_tokenizer(backend)                 # once per model; cached
-    g = Grammar.from_json_schema({"type": "object"})  # or from_gbnf / from_regex / ...
+    tok = build_tokenizer(backend)                 # once per model; cached (`tokenizer`)
+    g = Grammar.from_json_schema({"type": "object"})  # or from_gbnf / from_regex / ... (here)
     g.compile(tok)                                 # optional: where blocking is fine
-    m = GrammarMatcher(g, tok)                     # one per generation
+    m = GrammarMatcher(g, tok)                     # one per generation (`matcher`)
     row = m.apply(row)                             # disallowed tokens -> -inf
     m.accept(token)                                # after sampling
     m.is_done()                                    # nothing but EOS can follow
@@ -15,7 +15,7 @@ backend seam (`token_bytes`, `is_control`) and is the same for llama.cpp and MLX
 
 A `Grammar` is tokenizer-free and validated when made, so a bad grammar fails before
 any model work, as `BadRequestError` with one line naming line and column where the
-source gives them. A `GrammarMatcher` holds per-generation state.
+source gives them. A `GrammarMatcher` (`matcher`) holds per-generation state.
 
 Bounded work, since a grammar comes from a request: sources are size-capped (MAX_*
 below) before any parsing; the GBNF pre-processing here is linear; llguidance compiles
@@ -36,10 +36,9 @@ import functools
 import json
 import re
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -187,72 +186,6 @@ def json_schema_layout(schema: dict | bool, layout: dict | None = None) -> dict 
     own = schema.get("x-guidance")
     options = {k: own[k] for k in _SCHEMA_OWN_OPTIONS if k in own} if isinstance(own, dict) else {}
     return {**schema, "x-guidance": {**options, **(BOUNDED_JSON_LAYOUT if layout is None else layout)}}
-
-
-# -- tokenizer ------------------------------------------------------------------------
-
-# backend -> (special_names key, tokenizer); weak, so a dropped backend frees its entry
-_TOKENIZERS: "weakref.WeakKeyDictionary[Any, tuple[dict, Any]]" = weakref.WeakKeyDictionary()
-
-
-class _Vocab:
-    """The duck type `llguidance.TokenizerWrapper` reads. It holds the backend weakly:
-    the cache maps backend -> tokenizer -> this, and a strong link would pin the backend."""
-
-    def __init__(self, backend, tokens: list[bytes], specials: list[int], eos: int, bos: int | None) -> None:
-        self._backend = weakref.ref(backend)
-        self.tokens = tokens
-        self.special_token_ids = specials
-        self.eos_token_id = eos
-        self.bos_token_id = bos
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        # llguidance tokenizes a few strings (a probe, a grammar's forced prefix), as bytes
-        backend = self._backend()
-        if backend is None:
-            return []
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return backend.tokenize(text, add_special=False, parse_special=False)
-
-
-def build_tokenizer(backend, special_names: dict[int, str] | None = None):
-    """An `llguidance.LLTokenizer` for the backend's vocabulary, cached per backend.
-
-    Control tokens (and any token with no bytes) become llguidance "special" tokens: they
-    never match grammar text, only an explicit reference such as `<|im_end|>` or
-    `<[2]>` in a Lark grammar. Named references need `special_names` ({id: text}); when
-    it is None the backend's optional `token_text(id)` supplies them, else only `<[id]>`
-    works. EOS for the grammar is every id in `info.stop_ids` (or `info.eos_id`).
-    Building costs ~0.3 s on a 49k vocabulary and 2-3 s on Gemma's 262k (2 busy cores).
-    """
-    llg = _need_llg()
-    key = None if special_names is None else tuple(sorted(special_names.items()))
-    hit = _TOKENIZERS.get(backend)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    info = backend.info
-    n = int(info.n_vocab)
-    token_text = getattr(backend, "token_text", None) if special_names is None else None
-    names = dict(special_names or {})
-    specials: list[int] = []
-    tokens: list[bytes] = []
-    for t in range(n):
-        piece = backend.token_bytes(t)
-        # an empty non-control token would match anywhere without moving the parser:
-        # make it special too, so only a grammar that names it can produce it
-        if backend.is_control(t) or not piece:
-            specials.append(t)
-            name = names.get(t) or (token_text(t) if callable(token_text) else "")
-            piece = b"\xff" + name.encode() if name else b""
-        tokens.append(piece)
-    eos = sorted(info.stop_ids) or ([info.eos_id] if info.eos_id is not None else [])
-    if not eos:
-        raise BadRequestError(f"{info.path} has no end-of-sequence token; grammars need one")
-    vocab = _Vocab(backend, tokens, specials, eos[0], info.bos_id)
-    tok = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=n, eos_token=eos)
-    _TOKENIZERS[backend] = (key, tok)
-    return tok
 
 
 # -- compiling within the budget ------------------------------------------------------
@@ -538,114 +471,3 @@ class Grammar:
             hit = (tokenizer, *_on_compile_thread(_compile_matcher, self.spec, tokenizer, budget_s=budget_s))
             self._compiled[id(tokenizer)] = hit
         return hit[1], hit[2]
-
-
-# -- matcher --------------------------------------------------------------------------
-
-
-class GrammarMatcher:
-    """One generation's position in a grammar.
-
-    The engine, per step: `row = m.apply(row)` (or `m.allowed_mask()`), sample,
-    `m.accept(token)`; finish when the token is a stop id or `m.is_done()`. EOS
-    ids are allowed exactly where the grammar accepts. Speculation: `count_valid(draft)`
-    says how much of a draft the grammar allows, `draft_masks(draft)` gives the mask
-    of every verify row, and `rollback(n)` / `snapshot()` + `restore()` undo tokens.
-
-    Making one copies the grammar's compiled start state and its first mask (~0.1 ms;
-    `Grammar.compile`, which `request.prepare` runs off the scheduler thread). Without it,
-    the first matcher of a grammar compiles it, blocking the caller for up to the
-    LEXER_FUEL budget (~0.25 s worst measured; most grammars take 1-10 ms).
-    """
-
-    def __init__(self, grammar: Grammar, tokenizer) -> None:
-        _need_llg()
-        self.n_vocab = int(tokenizer.vocab_size)
-        start, mask = grammar._start_state(tokenizer)
-        if start.is_error():  # e.g. a `<|name|>` this vocabulary has no token for
-            err = start.get_error()
-            raise BadRequestError(f"the grammar does not compile for this model: {_first_line(err)}{_budget_hint(err)}")
-        self._m = start.deep_copy()
-        self._words = np.empty((1, (self.n_vocab + 31) // 32), np.int32)
-        self._mask: np.ndarray | None = mask  # cached for the current state (the start's, read-only, shared)
-
-    def allowed_mask(self) -> np.ndarray:
-        """Bool array [n_vocab]: True where the token may come next. Do not modify it."""
-        if self._mask is None:
-            self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-            # one bit per token, little-endian within each int32 word
-            bits = np.unpackbits(self._words.view(np.uint8), bitorder="little", count=self.n_vocab)
-            self._mask = bits.view(np.bool_)
-        return self._mask
-
-    def apply(self, logits: np.ndarray) -> np.ndarray:
-        """A new float32 row equal to `logits` where allowed and -inf elsewhere (the
-        backend's row is a view into its buffer, so it is not written)."""
-        allowed = self.allowed_mask()
-        idx = np.flatnonzero(allowed)
-        if 2 * idx.size > self.n_vocab:  # free text: a dense select beats a big gather
-            return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
-        # most masks are sparse (JSON punctuation, digits): copy just the allowed entries
-        out = np.full(self.n_vocab, -np.inf, np.float32)
-        out[idx] = logits[idx]
-        return out
-
-    def allows(self, token: int) -> bool:
-        """Whether `token` may come next, without a full mask (~1 us): lets the engine
-        sample unconstrained first and mask only when the draw is rejected."""
-        return self._m.validate_tokens([int(token)]) == 1
-
-    def accept(self, token: int) -> None:
-        if not self._m.consume_token(int(token)):
-            raise ValueError(f"token {token} is not allowed by the grammar: {self._m.get_error()}")
-        self._mask = None
-
-    def count_valid(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of `tokens` the grammar allows; the state is unchanged."""
-        return self._m.validate_tokens([int(t) for t in tokens])
-
-    def draft_masks(self, draft: Sequence[int]) -> np.ndarray:
-        """Bool [len(draft)+1, n_vocab]: the mask before each draft token and after the
-        last. Rows past the first disallowed draft token repeat its mask (a verifier stops there)."""
-        out = np.empty((len(draft) + 1, self.n_vocab), np.bool_)
-        done = 0
-        for i in range(len(draft) + 1):
-            out[i] = self.allowed_mask()
-            if i == len(draft) or not self._m.validate_tokens([int(draft[i])]):
-                out[i + 1:] = out[i]
-                break
-            self.accept(draft[i])
-            done += 1
-        self.rollback(done)
-        return out
-
-    def rollback(self, n: int) -> None:
-        """Undo the last n accepted tokens. (An EOS accepted after `is_done()` moved
-        nothing and does not count; the generation has ended there anyway.)"""
-        if n and not self._m.rollback(int(n)):
-            raise ValueError(f"cannot roll back {n} tokens: {self._m.get_error()}")
-        self._mask = None
-
-    def snapshot(self) -> Any:
-        """An opaque copy of the state (a ~2 us deep copy in llguidance)."""
-        return self._m.deep_copy()
-
-    def restore(self, snap: Any) -> None:
-        self._m = snap.deep_copy()  # copy again: one snapshot may be restored twice
-        self._mask = None
-
-    def reset(self) -> None:
-        self._m.reset()
-        self._mask = None
-
-    def is_accepting(self) -> bool:
-        """The text so far is a complete sentence of the grammar (EOS may come)."""
-        return self._m.is_accepting()
-
-    def is_done(self) -> bool:
-        """Nothing but EOS can follow (or EOS was accepted): the engine should stop."""
-        return self._m.is_stopped()
-
-    @property
-    def error(self) -> str:
-        return self._m.get_error()
