@@ -205,6 +205,12 @@ def test_anthropic_omitted_thinking_rides_in_the_signature_and_comes_back(http):
                {"role": "user", "content": "next"}]
     r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 64, "messages": history}).json()
     assert r["content"][-1]["text"] == f"{ANSWER} (after {PLAN})"
+    damaged = [*HI, {"role": "assistant", "content": [{"type": "thinking", "thinking": "",
+                                                        "signature": "localrun-thinking.%%not base64"},
+                                                       {"type": "text", "text": ANSWER}]},
+               {"role": "user", "content": "next"}]
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 64, "messages": damaged})
+    assert r.status_code == 200 and r.json()["content"][-1]["text"] == ANSWER  # no thinking to restore
     shown = http.post("/v1/messages", json={**ask, "thinking": {"type": "adaptive", "display": "summarized"}}).json()
     assert shown["content"][0]["thinking"] == PLAN
     bad = http.post("/v1/messages", json={**ask, "thinking": {"type": "adaptive", "display": "full"}})
