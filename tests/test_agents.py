@@ -80,9 +80,21 @@ def test_claude_code_runs_the_write_tool_the_model_called(agents, server, tmp_pa
     assert json.loads(p.stdout)["num_turns"] >= 2  # the call, then the turn that read its result
 
 
+# Both Codex tests run with the same flags, folder and CODEX_HOME: Codex's instructions
+# name its approval policy and its home's skills folder before its tools' schemas, and
+# the folder right after, so a session that differs in any re-reads ~5k of its ~8.7k
+# prompt tokens (~60 s here) where this one finds them in the prefix cache.
+SAME_INSTRUCTIONS = ("--dangerously-bypass-approvals-and-sandbox",)
+
+
+@pytest.fixture(scope="module")
+def codex_work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("codex-work")
+
+
 def codex_home(tmp_path: Path, server) -> Path:
     home = tmp_path / "codex-home"
-    home.mkdir()
+    home.mkdir(exist_ok=True)
     (home / "config.toml").write_text(
         f'model = "{QWEN}"\nmodel_provider = "localrun"\nmodel_context_window = 32768\n\n'
         '[model_providers.localrun]\nname = "localrun"\n'
@@ -96,6 +108,7 @@ def codex(agents: Path, server, work: Path, prompt: str, *flags: str, done=None,
     stopped). Returns its JSON events (Codex writes them when it exits: to a pipe it does
     not flush line by line) and the items of its session log, which it writes as it goes."""
     home = codex_home(work, server)
+    started = time.time()
     proc = subprocess.Popen([str(agents / "codex"), "exec", "--skip-git-repo-check", "--json", *flags, prompt],
                             cwd=work, env={**os.environ, "CODEX_HOME": str(home)}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -107,16 +120,17 @@ def codex(agents: Path, server, work: Path, prompt: str, *flags: str, done=None,
         os.killpg(proc.pid, signal.SIGKILL)
     out, err = proc.communicate()
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    items = [json.loads(line).get("payload", {}) for log in home.glob("sessions/**/rollout-*.jsonl")
-             for line in log.read_text().splitlines() if line.strip()]
+    logs = [log for log in home.glob("sessions/**/rollout-*.jsonl") if log.stat().st_mtime >= started]  # this session's
+    items = [json.loads(line).get("payload", {}) for log in logs for line in log.read_text().splitlines() if line.strip()]
     assert events or items, err[-2000:] + server.output()
     return events, items
 
 
-def test_codex_completes_a_turn(agents, server, tmp_path):
+def test_codex_completes_a_turn(agents, server, codex_work):
     """Codex sends no temperature; the server's --temp 0 makes the model's answer greedy,
     so one session answers the same way every run."""
-    events, _ = codex(agents, server, tmp_path, 'Reply with the single word "hi". Do not run any command.')
+    events, _ = codex(agents, server, codex_work, 'Reply with the single word "hi". Do not run any command.',
+                      *SAME_INSTRUCTIONS)
     assert events and events[-1]["type"] == "turn.completed", events[-3:]
     messages = [e["item"]["text"] for e in events
                 if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
@@ -124,17 +138,17 @@ def test_codex_completes_a_turn(agents, server, tmp_path):
     assert events[-1]["usage"]["input_tokens"] > 5000  # Codex's own instructions and tools were all read
 
 
-def test_codex_runs_the_shell_command_the_model_called(agents, server, tmp_path):
+def test_codex_runs_the_shell_command_the_model_called(agents, server, codex_work):
     """Codex sends no temperature; the server's --temp 0 makes the model's call greedy, so
     one session makes the same call every run (sampled, about one session in three added a
     `justification` argument that Codex's own policy refuses). When it runs after the test
-    above, it finds Codex's ~10k-token instructions in the prefix cache; alone, it reads
-    them cold (~110 s on an idle 2-core CPU, over 150 s on a busy one)."""
-    _, items = codex(agents, server, tmp_path, 'Call exec_command with exactly these arguments:'
-                     ' {"cmd": "echo hi > hello.txt"}', "--dangerously-bypass-approvals-and-sandbox",
+    above, it finds all but the last few dozen of Codex's ~8.7k prompt tokens in the prefix
+    cache (SAME_INSTRUCTIONS); alone, it reads them cold (~80 s on an idle 2-core CPU)."""
+    _, items = codex(agents, server, codex_work, 'Call exec_command with exactly these arguments:'
+                     ' {"cmd": "echo hi > hello.txt"}', *SAME_INSTRUCTIONS,
                      done=lambda w: (w / "hello.txt").exists())
     calls = [json.loads(i["arguments"]) for i in items
              if i.get("type") == "function_call" and i.get("name") == "exec_command"]
-    assert (tmp_path / "hello.txt").exists(), calls[:2]  # the calls the model made
-    assert (tmp_path / "hello.txt").read_text().strip() == "hi", calls[:2]
+    assert (codex_work / "hello.txt").exists(), calls[:2]  # the calls the model made
+    assert (codex_work / "hello.txt").read_text().strip() == "hi", calls[:2]
     assert any("hello.txt" in c.get("cmd", "") for c in calls), calls[:2]
