@@ -20,7 +20,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_trace_shows_each_decision_of_a_copying_answer_and_the_step_that_verified_it(smollm2_gguf):
-    done = _run("--model", str(smollm2_gguf), "--task", "edit", "--rounds", "1", "--max-tokens", "24", "--text")
+    done = _run("--model", str(smollm2_gguf), "--task", "edit", "--rounds", "1", "--max-tokens", "24", "--text",
+                "--only")
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert re.search(r"round 1 edit +lookup +[\d.]+ tok/s", out)

@@ -9,6 +9,7 @@ traced task is the one of the last round.
     python -m scripts.lookup.trace_lookup --model gemma --task edit
     python -m scripts.lookup.trace_lookup --model smollm2 --task bicycle --rounds 1
     python -m scripts.lookup.trace_lookup --model smollm2 --task rename --text
+    python -m scripts.lookup.trace_lookup --model smollm2 --task edit --only   # that task alone
 
 For every step of the traced answer where the history's tail matched earlier text: the
 match length, its band and acceptance rate, the draft length chosen, and the price the
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--text", action="store_true", help="show each decision's history tail and draft as text")
+    ap.add_argument("--only", action="store_true",
+                    help="run the warm-up and the traced task only (faster; the step costs and acceptance"
+                         " record are then only theirs, not a whole benchmark round's)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.max_tokens < 1:
         print("error: --rounds and --max-tokens must be at least 1", file=sys.stderr)
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
             answer(first, True, WARM_TOKENS)
             answer(first, False, WARM_TOKENS)
             for r in range(1, args.rounds + 1):
-                for name in TASKS:
+                for name in [args.task] if args.only else TASKS:
                     tracer.on = r == args.rounds and name == args.task
                     on = answer(name, True)
                     tracer.on = False
