@@ -156,7 +156,6 @@ def anthropic(b: Body) -> Reasoning:
     kind = t.str("type", required=True)
     if kind not in ANTHROPIC_THINKING:
         raise BadRequestError(f"'thinking.type' must be one of {', '.join(ANTHROPIC_THINKING)}; got {_show(kind)}")
-    t.str("display")
     if kind == "disabled":
         return Reasoning(template_kwargs={**kwargs, "enable_thinking": False})
     budget = None
