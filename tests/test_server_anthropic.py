@@ -391,6 +391,10 @@ ATTACKS = {
                                            "input": json.loads('{"a":' * 500 + "1" + "}" * 500)}]}]}),
     "an unknown block type": _messages({"messages": [{"role": "user", "content": [{"type": "hologram", "data": "x"}]}]}),
     "1,000,000 stop sequences": _messages({"messages": ASK, "stop_sequences": ["s"] * 1_000_000}),
+    "an unknown thinking.display": _messages({"messages": ASK, "thinking": {"type": "adaptive", "display": "all"}}),
+    "a 9 MB thinking signature": _messages({"messages": ASK + [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "", "signature": "localrun-thinking." + "QUFB" * 2_400_000}]},
+        {"role": "user", "content": "hi"}]}),
     "a count_tokens of 100,000 messages": lambda url: httpx.post(
         url + "/v1/messages/count_tokens", json={"model": QWEN, "messages": [{"role": "user", "content": "hi"}] * 100_000},
         timeout=60),
