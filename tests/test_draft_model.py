@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -38,12 +39,15 @@ import numpy as np
 import pytest
 
 from fakes import ScriptedBackend, step_all
+from localrun.backends import attention_timing
 from localrun.backends.attention import FLASH_ATTN_ENV
 from localrun.backends.base import common_prefix
+from localrun.datafiles import cache_dir
 from localrun.engine import Engine
 from localrun.errors import LocalrunError
 from localrun.grammar.core import Grammar
 from localrun.sampling import SamplingParams
+from localrun.speculation import draft_model as draft_model_module
 from localrun.speculation.draft_model import (
     DraftModel, DraftModelProposer, DraftPairError, predicted_speedup,
 )
@@ -61,8 +65,15 @@ SAMPLED = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 @pytest.fixture(autouse=True)
 def own_cache_dir(tmp_path, monkeypatch):
     """The batch drift that exact_greedy measures is remembered per model file in the cache
-    folder: each test starts from none and leaves the user's alone."""
-    monkeypatch.setenv("LOCALRUN_CACHE", str(tmp_path / "data"))
+    folder: each test starts from none and leaves the user's alone. The flash-attention
+    choices already measured come along (no test here is about them): without them each
+    model opened here timed both settings again, ~5 s a model."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    measured = cache_dir() / attention_timing.FILE_NAME
+    if measured.is_file():
+        shutil.copy(measured, folder / attention_timing.FILE_NAME)
+    monkeypatch.setenv("LOCALRUN_CACHE", str(folder))
 
 
 # -- helpers --------------------------------------------------------------------------
@@ -360,6 +371,23 @@ def test_a_draft_model_loads_beside_a_small_context_or_batch(n_ctx, n_batch, mon
         return
     assert engine.complete("abcab", sampling=GREEDY, max_tokens=4).tokens == [ord(c) for c in "cabc"]
 
+
+
+@pytest.mark.parametrize("slow_round_s, timed_rounds", [(3600.0, 2), (0.0, 1)])
+def test_a_slow_pair_is_timed_in_one_round_at_load(slow_round_s, timed_rounds, monkeypatch):
+    """DraftModel.measure: an untimed round, then two timed ones, or one where the untimed
+    round took over SLOW_ROUND_S (MLX on a CPU, where a round takes seconds)."""
+    monkeypatch.setattr(draft_model_module, "SLOW_ROUND_S", slow_round_s)
+    target = ScriptedBackend(logits_fn=markov_logits, n_ctx=128)
+    drafter = ScriptedBackend(logits_fn=draft_logits, n_ctx=128)
+    reads = []  # the draft model's context reads: one a round
+    real_decode = drafter.decode
+    drafter.decode = lambda batch: (reads.extend(e for e in batch if len(e.tokens) > 1), real_decode(batch))[1]
+    model, cost = DraftModel(drafter), StepCost()
+    model.measure(target, cost)
+    assert len(reads) == 1 + timed_rounds
+    assert model._step_ms is not None and model._read_ms is not None and cost.one_row_ms() is not None
+    assert drafter.kv_tokens(0) == [] and target.kv_tokens(0) == []  # slot 0 left empty
 
 # -- 6. FirstOf ----------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """`localrun serve` under load and under fuzzing, against real server processes:
-10 streaming clients over 4 slots for LOCALRUN_SOAK_SECONDS (default 30: each client
-streams its answer ~18 times here, the slots refilled ~180 times while others decode; set 600 or
+10 streaming clients over 4 slots for LOCALRUN_SOAK_SECONDS (default 20: each client
+streams its answer ~12 times here, the slots refilled ~120 times while others decode; set 600 or
 more for a soak before a release) with zero errors and streamed text equal to the
 non-streamed text at temperature 0; and hypothesis-generated request bodies that must
 never produce a 5xx."""
@@ -22,7 +22,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is a test extr
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-SOAK_SECONDS = float(os.environ.get("LOCALRUN_SOAK_SECONDS", "30"))
+SOAK_SECONDS = float(os.environ.get("LOCALRUN_SOAK_SECONDS", "20"))
 TOPICS = ["rivers", "bread", "chess", "owls", "volcanoes", "jazz", "glass", "tides", "maps", "bees"]
 
 

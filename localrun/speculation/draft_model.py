@@ -57,6 +57,7 @@ from .step_cost import StepCost
 VOCAB_PADDING = 128
 DRAFT_MAX = 16  # most tokens a step drafts, by default (llama-server's --draft-max)
 RETIME_AFTER = 512  # declined steps between two timings of the draft step
+SLOW_ROUND_S = 1.0  # a load-time measuring round this slow is done once more, not twice (DraftModel.measure)
 MIN_GAIN = 1.05  # draft only when a step is expected to yield this much more per unit of time
 
 
@@ -220,31 +221,38 @@ class DraftModel:
         step). Without it the first answer would learn the prices by drafting, and on a
         CPU, where a target's 2-row step can cost 1.9 one-row steps (Qwen2.5-Coder-1.5B
         here), that first answer ran 0.7x its speed without a draft. ~1 s for 1.5B here.
-        Slot 0 of both is used and left empty."""
+        Slot 0 of both is used and left empty. Where the untimed round alone took over
+        SLOW_ROUND_S (MLX on a CPU: ~4.5 s a round for SmolLM2 here), one timed round
+        follows instead of `rounds`."""
         # any tokens: only the time counts; a context and widths that fit the smallest
         # n_ctx (16) and n_batch the options allow
         room = min(target.n_ctx, self.backend.n_ctx)
         n_batch = min(target.n_batch, self.backend.n_batch)
         widths = tuple(w for w in (1, 2, 4, 8) if w <= n_batch and w < room // 2)
         context = [t % self.vocab for t in range(1000, 1000 + min(32, n_batch, room - widths[-1]))]
+        def one_round(timed: bool) -> None:
+            self.backend.kv_clear(0)
+            t0 = time.perf_counter()
+            self.backend.decode([BatchEntry(0, context, 0, 0)])
+            if timed:  # what catching the draft slot up costs a token (see DraftModelProposer.draft)
+                ms = (time.perf_counter() - t0) * 1000 / len(context)
+                self._read_ms = ms if self._read_ms is None else min(self._read_ms, ms)
+            for w in widths:
+                target.kv_trim(0, len(context))
+                t0 = time.perf_counter()
+                target.decode([BatchEntry(0, context[:w], len(context), w)])
+                if timed:
+                    cost.observe(w, (time.perf_counter() - t0) * 1000, drafting=True)
+            ms = self._time_one_step(0, context[0], len(context))
+            if timed:  # the least of the rounds: load only ever adds time
+                self._step_ms = ms if self._step_ms is None else min(self._step_ms, ms)
+
         try:
             target.decode([BatchEntry(0, context, 0, 0)])
-            for r in range(rounds + 1):
-                self.backend.kv_clear(0)
-                t0 = time.perf_counter()
-                self.backend.decode([BatchEntry(0, context, 0, 0)])
-                if r:  # what catching the draft slot up costs a token (see DraftModelProposer.draft)
-                    ms = (time.perf_counter() - t0) * 1000 / len(context)
-                    self._read_ms = ms if self._read_ms is None else min(self._read_ms, ms)
-                for w in widths:
-                    target.kv_trim(0, len(context))
-                    t0 = time.perf_counter()
-                    target.decode([BatchEntry(0, context[:w], len(context), w)])
-                    if r:
-                        cost.observe(w, (time.perf_counter() - t0) * 1000, drafting=True)
-                ms = self._time_one_step(0, context[0], len(context))
-                if r:  # the least of the rounds: load only ever adds time
-                    self._step_ms = ms if self._step_ms is None else min(self._step_ms, ms)
+            started = time.perf_counter()
+            one_round(timed=False)
+            for _ in range(1 if time.perf_counter() - started > SLOW_ROUND_S else rounds):
+                one_round(timed=True)
         finally:
             target.kv_clear(0)
             self.backend.kv_clear(0)
