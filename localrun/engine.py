@@ -47,6 +47,10 @@ __all__ = ["Completion", "Engine", "Event", "Generation", "GenerationFailed", "T
 
 log = logging.getLogger("localrun.engine")
 
+# token healing backs a prompt up at most this many tokens (each is written again before
+# the answer's first character: a decode step)
+HEAL_MOST = 3
+
 
 @dataclass
 class _Feed:
@@ -192,6 +196,9 @@ class Engine:
         scheduler thread, which every stream of the model shares)."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         request = prepare(self, request_or_options(request, options), tokens)
+        heal = b""
+        if request.token_healing and request.grammar is None and not request.tools:
+            tokens, heal = self.heal_back(tokens)
         self.check_prompt(tokens, request.max_tokens)
         if not self._free:
             raise RuntimeError("every sequence slot is busy")
@@ -217,6 +224,7 @@ class Engine:
             n_cached=n_keep,
             timings=Timings(prompt_tokens=len(tokens), cached_tokens=n_keep),
         )
+        gen.heal = heal
         self.speculator.attach(gen, request.lookup)
         if request.tools:  # prepare() built and compiled it for this prompt: cache hits
             grammar = self.tools.grammar(request.tools, request.tool_choice, request.parallel_tool_calls, prompt=tokens)
@@ -435,6 +443,8 @@ class Engine:
                 event.top_probs, event.token_probs = [[(token, 1.0)]], [1.0]
             return event
         row = raw_row if g.matcher is None else self._constrain(g, raw_row)
+        if g.heal:
+            row = self._healing(g.heal, row)
         n_probs = g.sampler.params.n_probs
         alternatives = g.sampler.top_probs(row, g.history, n_probs) if n_probs else None
         token = g.sampler.sample(row, g.history) if lead is None else self.speculator.clear_greedy(g, row, lead)
@@ -448,6 +458,33 @@ class Engine:
             known = dict(alternatives)
             event.token_probs = [known[token] if token in known else g.sampler.token_prob(row, token)]
         return event
+
+    def heal_back(self, tokens: list[int]) -> tuple[list[int], bytes]:
+        """Token healing: how far to back the prompt's end up, (the prompt left, the text
+        taken off). The last token goes if it is text; the one before it too while some
+        token of the vocabulary begins with, and is longer than, the text taken off so far
+        with it (the tokenizer split what the model may write as one token: "math.sq" ends
+        ".s" "q", the vocabulary has ".sqrt"); at most HEAL_MOST tokens, the first never."""
+        index = self.token_text.index(int(self.info.n_vocab))
+        cut, text = len(tokens), b""
+        while cut > 1 and len(tokens) - cut < HEAL_MOST:
+            token = tokens[cut - 1]
+            piece = self.backend.token_bytes(token)
+            if not piece or self.backend.is_control(token):
+                break
+            if text and not (index.lens[index.starting_with(piece + text)] > len(piece + text)).any():
+                break
+            cut, text = cut - 1, piece + text
+        return tokens[:cut], text
+
+    def _healing(self, text: bytes, row):
+        """The row with only the tokens that write `text` again: those beginning with it,
+        and those it begins with (the rest follows in the next steps)."""
+        allowed = self.token_text.index(int(self.info.n_vocab)).writing(text)
+        allowed = allowed[allowed < row.shape[0]]
+        out = np.full(row.shape[0], -np.inf, np.float32)
+        out[allowed] = row[allowed]
+        return out
 
     def budget_tokens(self) -> BudgetTokens:
         """json_budget.budget_tokens for this model's vocabulary, built on first use
@@ -495,7 +532,10 @@ class Engine:
     def _accept(self, g: Generation, token: int, now: float) -> Event:
         if not g.took(token, now):
             return self._finish(g, "stop")
-        piece = g._utf8.feed(self.backend.token_bytes(token))
+        data = self.backend.token_bytes(token)
+        if g.heal:  # the healed text was the prompt's: the answer's text goes on after it
+            data, g.heal = (data[len(g.heal):], b"") if data.startswith(g.heal) else (b"", g.heal[len(data):])
+        piece = g._utf8.feed(data)
         calls, reasoning = None, ""
         if g.reply is not None:  # stop strings apply to content only: never to reasoning, nor inside a call
             was_reasoning = g.reply.in_reasoning

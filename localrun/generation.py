@@ -179,6 +179,9 @@ class Generation:
     # grammar (which holds the answer, not the thinking): the matcher does not see them
     forced_outside_grammar: bool = False
     forced_writing: bool = False  # the token being taken is a forced one
+    # token healing (GenerationRequest.token_healing): the text taken off the prompt's end,
+    # what of it the answer has yet to write again (and not repeat in its text)
+    heal: bytes = b""
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     # why it ended early when its own work failed in a step (finish_reason is then "error")

@@ -142,6 +142,11 @@ class GenerationRequest:
     reasoning_budget: int | None = None  # tokens of reasoning before the engine ends it
     reasoning_format: str = "auto"  # "none": reasoning markup stays in the answer's text
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables
+    # token healing: the prompt's last text tokens are taken off and the answer's first
+    # tokens must write their text again, which the answer's text does not repeat (a
+    # fill-in-the-middle prompt, whose cursor may cut a word's token: server/fim.py;
+    # Engine.heal_back says how far). Not with a grammar or tools.
+    token_healing: bool = False
     # limits the server's scheduler enforces (llama-server's fields); the engine ignores them
     t_max_predict_ms: float | None = None
     n_indent: int = 0
@@ -161,6 +166,8 @@ class GenerationRequest:
             tools = parse_tools(tools, "tools")
         object.__setattr__(self, "tools", tools)
         object.__setattr__(self, "tool_choice", parse_tool_choice(self.tool_choice, tools, "tool_choice"))
+        if not isinstance(self.token_healing, bool):
+            raise BadRequestError(f"token_healing must be true or false, got {self.token_healing!r}")
         if not isinstance(self.parallel_tool_calls, bool):
             raise BadRequestError(f"parallel_tool_calls must be true or false, got {self.parallel_tool_calls!r}")
         if tools and self.grammar is not None:
@@ -302,6 +309,8 @@ def prepare(engine, request: GenerationRequest, prompt=None) -> GenerationReques
                 engine.budget_tokens()  # the vocabulary's closing tokens, read once per model (json_budget)
         except BadRequestError as exc:
             raise BadRequestError(f"'{where}': {exc}") from None
+    if request.token_healing and grammar is None:
+        engine.token_text.index(int(engine.info.n_vocab))  # built once per model (~0.2 s on 262k tokens)
     return request if sampling is request.sampling else dataclasses.replace(request, sampling=sampling)
 
 

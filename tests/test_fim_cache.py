@@ -28,11 +28,22 @@ def ids(text: str) -> list[int]:
     return [ord(c) + 1000 for c in text]
 
 
-def test_psm_layout():
+def test_psm_layout_puts_the_cursors_line_after_the_middle_mark():
     eng = fake_engine(add_bos=True)
     assert fim_tokens(eng, "a = 1\nb = ", "\nc = 3\n", middle="x") == (
-        [BOS, PRE] + ids("a = 1\nb = ") + [SUF] + ids("\nc = 3\n") + [MID] + ids("x"))
+        [BOS, PRE] + ids("a = 1\n") + [SUF] + ids("\nc = 3\n") + [MID] + ids("b = x"))
+    # llama.vim's shape (the cursor's line in `prompt`) and the whole-prefix shape: one prompt
+    assert fim_tokens(eng, "a = 1\n", "z", middle="b = ") == fim_tokens(eng, "a = 1\nb = ", "z")
     assert fim_tokens(fake_engine(), "", "") == [PRE, SUF, MID]
+    assert fim_tokens(fake_engine(), "one line", "") == [PRE, SUF, MID] + ids("one line")
+
+
+def test_a_cursor_line_too_long_for_the_middle_stays_in_the_prefix():
+    line = "x" * (fim.CURSOR_LINE_MAX + 1)
+    assert fim_tokens(fake_engine(), "a\n" + line, "z") == [PRE] + ids("a\n" + line) + [SUF] + ids("z") + [MID]
+    # a line of more tokens than a quarter of the budget, which the prefix's cut may shorten
+    assert fim_tokens(fake_engine(), "a\n" + "y" * 60, "z", budget=203) == [PRE] + ids("a\n" + "y" * 60) + [SUF] + ids("z") + [MID]
+    assert fim_tokens(fake_engine(), "a\n" + "y" * 40, "z", budget=203) == [PRE] + ids("a\n") + [SUF] + ids("z") + [MID] + ids("y" * 40)
 
 
 def test_spm_for_code_llama_puts_everything_before_the_cursor_last():
@@ -47,7 +58,7 @@ def test_spm_for_code_llama_puts_everything_before_the_cursor_last():
 def test_input_extra_goes_before_the_prefix_in_both_orders():
     extra = [("util.py", "def h(): pass"), ("", "note")]
     context = ids("util.py\ndef h(): pass\nnote\n")
-    assert fim_tokens(fake_engine(), "p\nq", "s", extra) == [PRE] + context + ids("p\nq") + [SUF] + ids("s") + [MID]
+    assert fim_tokens(fake_engine(), "p\nq", "s", extra) == [PRE] + context + ids("p\n") + [SUF] + ids("s") + [MID] + ids("q")
     assert fim_tokens(fake_engine("▁<PRE>"), "p\nq", "s", extra) == [PRE, SUF] + ids("s") + [MID] + context + ids("p\nq")
 
 
@@ -113,14 +124,20 @@ def test_psm_typing_rereads_a_few_tokens_in_llama_vims_shape(coder):
     assert reread(coder, fim_tokens(coder, before[:line], after, middle=before[line:] + "item.count")) <= 4
 
 
-def test_psm_typing_in_the_whole_prefix_shape_rereads_the_suffix(coder):
-    """PSM's known cost (see fim.py): the cursor stays at the prefix's end, so a keystroke
-    re-reads what it typed and the <SUF> suffix <MID> after it, never the file before it."""
+def test_psm_typing_rereads_a_few_tokens_in_the_whole_prefix_shape(coder):
+    """Continue's, Zed's, Ollama's and OpenAI's shape: the whole text before the cursor in
+    the prefix. Its cursor line goes after <MID> too, so a keystroke re-reads what it typed,
+    not <SUF> suffix <MID> after it (more than 40 tokens here), nor the file before it."""
     before, after = code_file(8)
-    suffix = [coder.info.fim_suffix_id] + coder.tokenize(after, add_special=False) + [coder.info.fim_middle_id]
+    suffix = len(coder.tokenize(after, add_special=False))
+    assert suffix > 40
     assert reread(coder, fim_tokens(coder, before, after)) > 300
-    typed = len(coder.tokenize(before + "item.", add_special=False)) - len(coder.tokenize(before, add_special=False))
-    assert len(suffix) + typed - 2 <= reread(coder, fim_tokens(coder, before + "item.", after)) <= len(suffix) + typed + 2
+    assert reread(coder, fim_tokens(coder, before + "item.", after)) <= 4
+    assert reread(coder, fim_tokens(coder, before + "item.count", after)) <= 4
+    # a new line: the finished line joins the prefix, so the suffix is read again, once a line
+    newline = reread(coder, fim_tokens(coder, before + "item.count\n            total += ", after))
+    assert suffix < newline <= suffix + 40
+    assert reread(coder, fim_tokens(coder, before + "item.count\n            total += 1", after)) <= 4
 
 
 def test_spm_typing_rereads_a_few_tokens_in_both_shapes(coder, monkeypatch):
@@ -136,3 +153,34 @@ def test_spm_typing_rereads_a_few_tokens_in_both_shapes(coder, monkeypatch):
     # an editor that always sends the whole prefix, typing on, a new line included
     assert reread(coder, fim_tokens(coder, before + "item.count", after)) <= 4
     assert reread(coder, fim_tokens(coder, before + "item.count\n            total += ", after)) <= 10
+
+
+# cursor lines a tokenizer cuts where the model would write one token: each line's text up
+# to the cursor, and how the healed line must begin (raw, Qwen2.5-Coder wrote "def  divide",
+# "x = math.sqroot(16)" and "for n in naames")
+CUT_LINES = [
+    ("def add(a, b):\n    return a + b\n\n\ndef ", "(a, b):\n    return a * b\n", r"def \w"),
+    ("import math\n\nx = math.sq", "\nprint(x)\n", r"x = math\.sqrt"),
+    ("names = ['ann', 'bob']\nfor n in na", ":\n    print(n)\n", r"for n in names\b"),
+]
+
+
+@pytest.mark.parametrize("before, after, healed_line", CUT_LINES)
+def test_token_healing_writes_the_cut_token_whole(coder, before, after, healed_line):
+    """The FIM prompt ends at the cursor, after <MID>; healed, the answer's first tokens
+    write the text taken off the prompt again (its bytes begin the answer's), and the
+    answer's text goes on after it."""
+    import re
+
+    from localrun.engine import HEAL_MOST
+    from localrun.sampling import SamplingParams
+
+    tokens = fim_tokens(coder, before, after)
+    done = coder.complete(tokens, sampling=SamplingParams(temperature=0), max_tokens=6, token_healing=True)
+    cut = done.timings.prompt_tokens
+    assert 1 <= len(tokens) - cut <= HEAL_MOST
+    taken = b"".join(coder.backend.token_bytes(t) for t in tokens[cut:])
+    written = b"".join(coder.backend.token_bytes(t) for t in done.tokens)
+    assert written.startswith(taken) and written[len(taken):].decode() == done.text
+    line = before[before.rfind("\n") + 1:]
+    assert re.match(healed_line, line + done.text), line + done.text

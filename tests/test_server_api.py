@@ -109,15 +109,17 @@ def test_openai_completions_with_stop(oai):
 
 
 def fim_prompt(server, prefix: str, suffix: str) -> list[int]:
-    """Qwen2.5-Coder's fill-in-the-middle prompt: <|fim_prefix|> prefix <|fim_suffix|> suffix <|fim_middle|>."""
+    """Qwen2.5-Coder's fill-in-the-middle prompt: <|fim_prefix|> prefix up to the cursor's
+    line <|fim_suffix|> suffix <|fim_middle|> the cursor's line up to the cursor."""
 
     def tokenize(text: str) -> list[int]:
         r = httpx.post(server.url + "/tokenize", json={"model": FIM_MODEL, "content": text}, timeout=30)
-        return r.json()["tokens"]
+        return r.json()["tokens"] if text else []
 
     pre, suf, mid = tokenize("<|fim_prefix|>"), tokenize("<|fim_suffix|>"), tokenize("<|fim_middle|>")
     assert len(pre) == len(suf) == len(mid) == 1
-    return pre + tokenize(prefix) + suf + tokenize(suffix) + mid
+    line = prefix.rfind("\n") + 1
+    return pre + tokenize(prefix[:line]) + suf + tokenize(suffix) + mid + tokenize(prefix[line:])
 
 
 def test_openai_completions_suffix_needs_fim(oai, server):
@@ -128,8 +130,9 @@ def test_openai_completions_suffix_needs_fim(oai, server):
     # the function's name is only in the suffix: the middle can write it only if it read the suffix
     prefix, suffix = "def ", "(a, b):\n    return a * b\n\n\nprint(multiply(2, 3))\n"
     r = oai.completions.create(model=FIM_MODEL, prompt=prefix, suffix=suffix, max_tokens=4, temperature=0)
-    assert r.usage.prompt_tokens == len(fim_prompt(server, prefix, suffix))
-    assert r.choices[0].text.startswith("multiply"), r.choices[0].text
+    read = len(fim_prompt(server, prefix, suffix))
+    assert read - 3 <= r.usage.prompt_tokens < read  # token healing took the space after "def" off the prompt
+    assert r.choices[0].text.startswith("multiply"), r.choices[0].text  # and the answer does not repeat it
 
 
 def test_openai_models_lists_configured(oai):
@@ -213,8 +216,11 @@ def test_continue_show_then_generate_with_suffix(server):
             "keep_alive": 1800}
     r = httpx.post(server.url + "/api/generate", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["done"]
-    prompt = fim_prompt(server, prefix, suffix)
-    assert r.json()["prompt_eval_count"] == len(prompt) and r.json()["context"][: len(prompt)] == prompt
+    prompt, read = fim_prompt(server, prefix, suffix), r.json()["prompt_eval_count"]
+    # token healing took the cursor's last token ("class" " ": the space) off the prompt,
+    # and the answer wrote it again (" Rectangle"), which its text does not repeat
+    assert len(prompt) - 3 <= read < len(prompt) and r.json()["context"][:read] == prompt[:read]
+    assert len(r.json()["context"]) == read + r.json()["eval_count"]  # the prompt read, then the answer
     assert r.json()["response"].startswith("Rectangle"), r.json()["response"]
     bad = httpx.post(server.url + "/api/generate", json={**body, "model": MODEL}, timeout=60)
     assert bad.status_code == 400 and "fill-in-the-middle" in bad.json()["error"]
@@ -248,6 +254,19 @@ def test_llama_vim_infill_and_prefix_cache(server):
     # the same file again (the editor moved on a line): the shared prefix comes from the slot's KV
     again = httpx.post(server.url + "/infill", json={**body, "prompt": "    x"}, timeout=60).json()
     assert again["tokens_cached"] > 100 and again["timings/prompt_n"] < 10
+
+
+def test_infill_in_the_whole_prefix_shape_heals_the_cut_token_and_rereads_only_the_typing(server):
+    """Continue's shape: the whole text before the cursor in input_prefix, the cursor after
+    "def ". The answer does not repeat the space the prompt ended on (token healing), and
+    typing on re-reads what was typed, not the suffix after it."""
+    prefix = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(30)) + "def "
+    suffix = "(a, b):\n    return a * b\n\n" + "".join(f"def g{i}(x):\n    return x - {i}\n\n" for i in range(10))
+    body = {"model": FIM_MODEL, "input_prefix": prefix, "input_suffix": suffix, "n_predict": 4, "temperature": 0}
+    first = httpx.post(server.url + "/infill", json=body, timeout=60).json()
+    assert first["content"] and not first["content"].startswith(" "), first["content"]
+    typed = httpx.post(server.url + "/infill", json={**body, "input_prefix": prefix + "mul"}, timeout=60).json()
+    assert typed["timings"]["cache_n"] > 300 and typed["timings"]["prompt_n"] <= 4, typed["timings"]
 
 
 def test_infill_without_fim_tokens_is_400(server):

@@ -115,6 +115,30 @@ class _VocabIndex:
         tok = np.searchsorted(self.starts, at, side="right") - 1  # the last token starting at or before
         return np.unique(tok[at + m <= self.ends[tok]])
 
+    def starting_with(self, prefix: bytes) -> np.ndarray:
+        """Tokens whose piece begins with `prefix` (non-empty), sorted."""
+        tok = np.flatnonzero(self.lens >= len(prefix))
+        for k, byte in enumerate(prefix):
+            tok = tok[self.blob[self.starts[tok] + k] == byte]
+            if not tok.size:
+                break
+        return tok
+
+    def writing(self, text: bytes) -> np.ndarray:
+        """Tokens whose piece begins with `text` (non-empty), or is a non-empty beginning
+        of it, sorted: the tokens that may write `text` next. One narrowing pass."""
+        tok = np.flatnonzero(self.lens > 0)
+        found = []
+        for k, byte in enumerate(text):
+            if k:  # what matched text[:k] and ends there is a beginning of it
+                ends = self.lens[tok] == k
+                found.append(tok[ends])
+                tok = tok[~ends]
+            tok = tok[self.blob[self.starts[tok] + k] == byte]
+            if not tok.size:
+                break
+        return np.sort(np.concatenate(found + [tok]))
+
     def ending_with(self, suffix: bytes) -> np.ndarray:
         """Tokens whose piece ends with `suffix`."""
         lo = suffix[-1] * 257 + (suffix[-2] if len(suffix) > 1 else 0)

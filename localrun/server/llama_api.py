@@ -28,7 +28,7 @@ from ..request import (
 from ..sampling import PARAMETERS
 from .fields import Body, generation_request, grammar_from, sampling_params
 from .reasoning import NO_REASONING, Reasoning
-from .fim import fim_tokens
+from .fim import fim_request, fim_tokens
 from .http import sse, stream
 from .runner import collect, events, logprob, submit
 from .state import check_text_fits, endpoint, json_response, state
@@ -197,7 +197,7 @@ async def infill(request: Request):
     gen_request, run = await asyncio.to_thread(build_request, b, st.reasoning.raw()), _read_run_fields(b)
     model = await st.manager.get(b.str("model"))
     tokens = await asyncio.to_thread(fim_tokens, model.engine, prefix, suffix, extra, middle, name=model.name)
-    return await _run(request, run, model, tokens, gen_request)
+    return await _run(request, run, model, tokens, fim_request(gen_request))
 
 
 # /tokenize and /detokenize take and return at most the model's context length in tokens

@@ -26,7 +26,7 @@ from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, GenerationRequest
 from ..tools import collect_calls, history_messages
 from .describe import describe
 from .fields import Body, generation_request, messages, sampling_params, schema_grammar, tool_fields
-from .fim import fim_tokens
+from .fim import fim_request, fim_tokens
 from .http import ndjson, stream
 from .keep_alive import parse_keep_alive
 from .openai_api import chat_tokens
@@ -167,7 +167,7 @@ async def _answer(request: Request, model, job, streaming: bool, name: str, shap
                         final = {"model": name, "created_at": _now(), **shape(""), "done": True,
                                  "done_reason": _done_reason(ev.finish_reason), **_final(ev.timings, load_ns, started)}
                         if tokens is not None:
-                            final["context"] = tokens + job.gen.output
+                            final["context"] = _context(job, tokens, job.gen.output)
                         yield ndjson(final)
             except Exception as exc:  # the stream has begun: report in-band
                 yield ndjson({"error": str(exc)})
@@ -178,8 +178,14 @@ async def _answer(request: Request, model, job, streaming: bool, name: str, shap
     out = {"model": name, "created_at": _now(), **shape(res.text, calls, res.reasoning), "done": True,
            "done_reason": _done_reason(res.finish_reason), **_final(res.timings, load_ns, started)}
     if tokens is not None:
-        out["context"] = tokens + res.tokens
+        out["context"] = _context(job, tokens, res.tokens)
     return await json_response(out)  # "context" holds up to the context length of ids: encoded off the loop
+
+
+def _context(job, tokens: list[int], output: list[int]) -> list[int]:
+    """Ollama's `context`: the prompt as the model read it (token healing may have taken
+    its last tokens off: the answer wrote them again), then the answer."""
+    return (job.gen.prompt if job.gen is not None else tokens) + output
 
 
 async def _model(st, b: Body):
@@ -237,6 +243,7 @@ async def generate(request: Request):
     eng = model.engine
     if suffix is not None:
         tokens = await asyncio.to_thread(fim_tokens, eng, prompt, suffix, name=name)
+        gen_request = fim_request(gen_request)
     elif raw:
         tokens = context + await asyncio.to_thread(eng.tokenize, prompt, not context)
     else:

@@ -35,7 +35,7 @@ from ..request import MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS, Gen
 from ..tools import ToolsUnsupportedError, collect_calls, history_messages
 from .fields import Body, generation_request, grammar_from, messages, sampling_params, tool_fields
 from .reasoning import NO_REASONING, Reasoning, openai_chat
-from .fim import fim_tokens
+from .fim import fim_request, fim_tokens
 from .http import sse, stream
 from .runner import Result, collect, events, logprob, reasoning_tokens, submit
 from .state import embed_inputs, endpoint, json_response, state
@@ -246,6 +246,7 @@ async def completions(request: Request):
     eng = model.engine
     if suffix is not None:
         tokens = await asyncio.to_thread(fim_tokens, eng, prompt, suffix, name=model.name)
+        gen_request = fim_request(gen_request)
     elif isinstance(prompt, str):
         tokens = await asyncio.to_thread(eng.tokenize, prompt)
     else:

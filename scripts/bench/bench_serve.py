@@ -93,7 +93,7 @@ def stream_one(url: str, path: str, body: dict) -> dict:
             ev = json.loads(line[6:])
             if "error" in ev:
                 raise RuntimeError(f"{path} -> in-stream error: {ev['error']}")
-            if first is None and (ev.get("content") or ev.get("tokens")):
+            if first is None and ev.get("content"):  # text the editor can show (a healed token may write none)
                 first = time.perf_counter()
             if ev.get("stop"):
                 final = ev
@@ -155,8 +155,11 @@ def fim_requests(url: str, variant: int, target: int) -> tuple[dict, dict, dict,
     - "line": llama.vim's shape. The cursor's line up to the cursor goes in `prompt`,
       which follows the FIM middle mark, so typing changes only the prompt's last tokens.
     - "prefix": the whole text before the cursor in `input_prefix` (Ollama's `suffix` FIM,
-      Continue, Zed). Typing changes the prefix's end, so the suffix and the FIM marks after
-      it are read again (~125 tokens with SmolLM2): cold/warm can reach ~file/125."""
+      Continue, Zed). Where the server keeps the cursor at the prefix's end (llama-server
+      does, in both shapes), typing changes the prefix's end, so the suffix and the FIM
+      marks after it are read again (~130 tokens here); localrun moves the cursor's line
+      after the middle mark in both shapes (server/fim.py).
+    TTFT is the first event with text: a healed token (fim.py) may write none."""
     count = lambda text: len(httpx.post(url + "/tokenize", json={"content": text}, timeout=60).json()["tokens"])  # noqa: E731
     per_func = count(code_file(variant, 10)) / 10
     text = code_file(variant, max(3, round(target / per_func)))
