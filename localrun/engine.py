@@ -50,6 +50,10 @@ log = logging.getLogger("localrun.engine")
 # token healing backs a prompt up at most this many tokens (each is written again before
 # the answer's first character: a decode step)
 HEAL_MOST = 3
+# a grammar-held draw over the whole vocabulary is redrawn at most this many times before
+# the full mask is computed (Engine._draw_allowed)
+REDRAWS = 4
+MASK_BACKOFF_MOST = 32  # after REDRAWS refusals, up to this many steps mask at once
 
 
 @dataclass
@@ -442,6 +446,8 @@ class Engine:
             if g.sampler.params.n_probs and event.tokens:
                 event.top_probs, event.token_probs = [[(token, 1.0)]], [1.0]
             return event
+        if g.matcher is not None and lead is None and self._redraws(g):
+            return self._accept(g, self._draw_allowed(g, raw_row), now)
         row = raw_row if g.matcher is None else self._constrain(g, raw_row)
         if g.heal:
             row = self._healing(g.heal, row)
@@ -458,6 +464,37 @@ class Engine:
             known = dict(alternatives)
             event.token_probs = [known[token] if token in known else g.sampler.token_prob(row, token)]
         return event
+
+    def _redraws(self, g: Generation) -> bool:
+        """Whether g's grammar may hold its draw by redrawing (_draw_allowed): a chain that
+        keeps every id, no per-token probabilities asked, no JSON budget narrowing."""
+        closing = g.closes_json and g.tokens_left <= CLOSING_RESERVE
+        return not g.sampler.params.n_probs and not closing and g.sampler.reweighs_only()
+
+    def _draw_allowed(self, g: Generation, raw_row) -> int:
+        """A token from the chain's law over the ids g's grammar allows, without its full
+        mask (up to ~15 ms over a large vocabulary): draw from the whole row and keep the
+        draw if the grammar allows it (~1 us to ask), else take that id out and draw
+        again; after REDRAWS refusals, the mask (and for a few steps after). Exact for a
+        chain that keeps every id
+        (Sampler.reweighs_only): each refusal conditions the law on the ids left, which
+        hold every allowed one."""
+        m, row = g.matcher, raw_row
+        if g.masked_steps_left:  # the grammar and the model disagreed lately: mask at once
+            g.masked_steps_left -= 1
+            return g.sampler.sample(m.apply(row), g.history)
+        for _ in range(REDRAWS):
+            token = g.sampler.sample(row, g.history)
+            if m.allows(token):
+                g.mask_backoff = 1
+                return token
+            if row is raw_row:  # the backend's buffer is never written
+                row = np.array(raw_row, dtype=np.float32)
+            row[token] = -np.inf
+        # a stretch the model does not know (a call syntax new to it) refuses draw after
+        # draw: the next steps mask at once, twice as many after each stretch in a row
+        g.masked_steps_left, g.mask_backoff = g.mask_backoff, min(2 * g.mask_backoff, MASK_BACKOFF_MOST)
+        return g.sampler.sample(m.apply(row), g.history)
 
     def heal_back(self, tokens: list[int]) -> tuple[list[int], bytes]:
         """Token healing: how far to back the prompt's end up, (the prompt left, the text

@@ -182,6 +182,10 @@ class Generation:
     # token healing (GenerationRequest.token_healing): the text taken off the prompt's end,
     # what of it the answer has yet to write again (and not repeat in its text)
     heal: bytes = b""
+    # a grammar over a whole-vocabulary chain (Engine._draw_allowed): steps left that mask
+    # at once, and how many the next stretch of refused redraws sets
+    masked_steps_left: int = 0
+    mask_backoff: int = 1
     finish_reason: str | None = None
     timings: Timings = field(default_factory=Timings)
     # why it ended early when its own work failed in a step (finish_reason is then "error")
