@@ -48,6 +48,13 @@ def test_the_block_draw_never_picks_a_zero_weight_at_a_blocks_end():
     assert picked and all(weights[i] > 0 for i in picked)
 
 
+def test_a_uniform_next_to_one_picks_the_last_id_that_weighs():
+    weights = np.zeros(4 * 1024, np.float32)
+    weights[[10, 2 * 1024 + 5]] = [1.0, 3.0]  # the last block and a half weigh nothing
+    assert _draw_whole(weights, np.nextafter(1.0, 0.0)) == 2 * 1024 + 5
+    assert _draw_whole(weights, 1.0) == 2 * 1024 + 5  # even past the end of [0, 1)
+
+
 def test_a_whole_vocabulary_sample_is_the_distributions_draw():
     row = np.random.default_rng(0).standard_normal(152_000).astype(np.float32) * 3
     fast, slow = Sampler(WHOLE), Sampler(WHOLE)
@@ -87,9 +94,10 @@ def letter_logits(hist: list[int]) -> np.ndarray:
 def first_tokens(seeds: int) -> np.ndarray:
     eng = Engine(ScriptedBackend(logits_fn=letter_logits, n_ctx=64))
     counts = np.zeros(N_VOCAB)
+    grammar = Grammar.from_regex(f"[{LETTERS}]+")  # compiled once
     for seed in range(seeds):
         sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
-        done = eng.complete([ord("x")], sampling=sampling, max_tokens=1, grammar=Grammar.from_regex(f"[{LETTERS}]+"))
+        done = eng.complete([ord("x")], sampling=sampling, max_tokens=1, grammar=grammar)
         counts[done.tokens[0]] += 1
     return counts
 

@@ -284,7 +284,9 @@ def _draw_whole(weights: np.ndarray, u: float) -> int:
         sums = np.append(sums, weights[whole:].sum(dtype=np.float64))
     cum = np.cumsum(sums)
     target = u * cum[-1]
-    b = min(int(np.searchsorted(cum, target, side="right")), cum.size - 1)
+    b = int(np.searchsorted(cum, target, side="right"))
+    if b == cum.size:  # u so near 1 that its product rounded to the whole: the last block that weighs
+        b = int(np.flatnonzero(sums)[-1])
     block = weights[b * _BLOCK : (b + 1) * _BLOCK]
     inner = np.cumsum(block, dtype=np.float64)
     i = min(int(np.searchsorted(inner, target - (cum[b - 1] if b else 0.0), side="right")), block.size - 1)
