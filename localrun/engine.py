@@ -32,7 +32,9 @@ from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededErro
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar.json_budget import CLOSING_RESERVE, BudgetTokens, budget_tokens, inside_string, narrow
 from .grammar.matcher import GrammarMatcher
+from .grammar.redraw import draw_allowed
 from .grammar.tokenizer import build_tokenizer
+from .prompt.healing import heal_back, healing_row
 from .request import GenerationRequest, check_template_kwargs, prepare, request_or_options, with_thinking_aliases
 from .store.local import resolve_model
 from .sampling import Sampler, TokenText
@@ -46,14 +48,6 @@ from .tools.model import ModelTools
 __all__ = ["Completion", "Engine", "Event", "Generation", "GenerationFailed", "Timings"]
 
 log = logging.getLogger("localrun.engine")
-
-# token healing backs a prompt up at most this many tokens (each is written again before
-# the answer's first character: a decode step)
-HEAL_MOST = 3
-# a grammar-held draw over the whole vocabulary is redrawn at most this many times before
-# the full mask is computed (Engine._draw_allowed)
-REDRAWS = 4
-MASK_BACKOFF_MOST = 32  # after REDRAWS refusals, up to this many steps mask at once
 
 
 @dataclass
@@ -447,10 +441,10 @@ class Engine:
                 event.top_probs, event.token_probs = [[(token, 1.0)]], [1.0]
             return event
         if g.matcher is not None and lead is None and self._redraws(g):
-            return self._accept(g, self._draw_allowed(g, raw_row), now)
+            return self._accept(g, draw_allowed(g, raw_row), now)
         row = raw_row if g.matcher is None else self._constrain(g, raw_row)
         if g.heal:
-            row = self._healing(g.heal, row)
+            row = healing_row(self.token_text.index(int(self.info.n_vocab)), g.heal, row)
         n_probs = g.sampler.params.n_probs
         alternatives = g.sampler.top_probs(row, g.history, n_probs) if n_probs else None
         token = g.sampler.sample(row, g.history) if lead is None else self.speculator.clear_greedy(g, row, lead)
@@ -466,62 +460,14 @@ class Engine:
         return event
 
     def _redraws(self, g: Generation) -> bool:
-        """Whether g's grammar may hold its draw by redrawing (_draw_allowed): a chain that
-        keeps every id, no per-token probabilities asked, no JSON budget narrowing."""
+        """Whether g's grammar may hold its draw by redrawing (grammar/redraw.py): a chain
+        that keeps every id, no per-token probabilities asked, no JSON budget narrowing."""
         closing = g.closes_json and g.tokens_left <= CLOSING_RESERVE
         return not g.sampler.params.n_probs and not closing and g.sampler.reweighs_only()
 
-    def _draw_allowed(self, g: Generation, raw_row) -> int:
-        """A token from the chain's law over the ids g's grammar allows, without its full
-        mask (up to ~15 ms over a large vocabulary): draw from the whole row and keep the
-        draw if the grammar allows it (~1 us to ask), else take that id out and draw
-        again; after REDRAWS refusals, the mask (and for a few steps after). Exact for a
-        chain that keeps every id
-        (Sampler.reweighs_only): each refusal conditions the law on the ids left, which
-        hold every allowed one."""
-        m, row = g.matcher, raw_row
-        if g.masked_steps_left:  # the grammar and the model disagreed lately: mask at once
-            g.masked_steps_left -= 1
-            return g.sampler.sample(m.apply(row), g.history)
-        for _ in range(REDRAWS):
-            token = g.sampler.sample(row, g.history)
-            if m.allows(token):
-                g.mask_backoff = 1
-                return token
-            if row is raw_row:  # the backend's buffer is never written
-                row = np.array(raw_row, dtype=np.float32)
-            row[token] = -np.inf
-        # a stretch the model does not know (a call syntax new to it) refuses draw after
-        # draw: the next steps mask at once, twice as many after each stretch in a row
-        g.masked_steps_left, g.mask_backoff = g.mask_backoff, min(2 * g.mask_backoff, MASK_BACKOFF_MOST)
-        return g.sampler.sample(m.apply(row), g.history)
-
     def heal_back(self, tokens: list[int]) -> tuple[list[int], bytes]:
-        """Token healing: how far to back the prompt's end up, (the prompt left, the text
-        taken off). The last token goes if it is text; the one before it too while some
-        token of the vocabulary begins with, and is longer than, the text taken off so far
-        with it (the tokenizer split what the model may write as one token: "math.sq" ends
-        ".s" "q", the vocabulary has ".sqrt"); at most HEAL_MOST tokens, the first never."""
-        index = self.token_text.index(int(self.info.n_vocab))
-        cut, text = len(tokens), b""
-        while cut > 1 and len(tokens) - cut < HEAL_MOST:
-            token = tokens[cut - 1]
-            piece = self.backend.token_bytes(token)
-            if not piece or self.backend.is_control(token):
-                break
-            if text and not (index.lens[index.starting_with(piece + text)] > len(piece + text)).any():
-                break
-            cut, text = cut - 1, piece + text
-        return tokens[:cut], text
-
-    def _healing(self, text: bytes, row):
-        """The row with only the tokens that write `text` again: those beginning with it,
-        and those it begins with (the rest follows in the next steps)."""
-        allowed = self.token_text.index(int(self.info.n_vocab)).writing(text)
-        allowed = allowed[allowed < row.shape[0]]
-        out = np.full(row.shape[0], -np.inf, np.float32)
-        out[allowed] = row[allowed]
-        return out
+        """Token healing (prompt/healing.py): (the prompt left, the text taken off its end)."""
+        return heal_back(self.backend, self.token_text.index(int(self.info.n_vocab)), tokens)
 
     def budget_tokens(self) -> BudgetTokens:
         """json_budget.budget_tokens for this model's vocabulary, built on first use

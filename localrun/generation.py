@@ -182,7 +182,7 @@ class Generation:
     # token healing (GenerationRequest.token_healing): the text taken off the prompt's end,
     # what of it the answer has yet to write again (and not repeat in its text)
     heal: bytes = b""
-    # a grammar over a whole-vocabulary chain (Engine._draw_allowed): steps left that mask
+    # a grammar over a whole-vocabulary chain (grammar/redraw.py): steps left that mask
     # at once, and how many the next stretch of refused redraws sets
     masked_steps_left: int = 0
     mask_backoff: int = 1

@@ -145,7 +145,7 @@ class GenerationRequest:
     # token healing: the prompt's last text tokens are taken off and the answer's first
     # tokens must write their text again, which the answer's text does not repeat (a
     # fill-in-the-middle prompt, whose cursor may cut a word's token: server/fim.py;
-    # Engine.heal_back says how far). Not with a grammar or tools.
+    # prompt/healing.py says how far). Not with a grammar or tools.
     token_healing: bool = False
     # limits the server's scheduler enforces (llama-server's fields); the engine ignores them
     t_max_predict_ms: float | None = None

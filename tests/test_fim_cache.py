@@ -172,7 +172,7 @@ def test_token_healing_writes_the_cut_token_whole(coder, before, after, healed_l
     answer's text goes on after it."""
     import re
 
-    from localrun.engine import HEAL_MOST
+    from localrun.prompt.healing import HEAL_MOST
     from localrun.sampling import SamplingParams
 
     tokens = fim_tokens(coder, before, after)

@@ -1,5 +1,5 @@
 """Token healing (GenerationRequest.token_healing): the prompt's end is backed up over the
-tokens the cursor may have cut (Engine.heal_back), and the answer's first tokens must write
+tokens the cursor may have cut (prompt/healing.py), and the answer's first tokens must write
 that text again, which its text does not repeat. On a scripted vocabulary with a few
 multi-byte tokens; the real model's cases (Qwen2.5-Coder behind a FIM prompt) are in
 test_fim_cache.py."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from fakes import EOS, ScriptedBackend, make_info
 
-from localrun import engine as engine_module
 from localrun.engine import Engine
 from localrun.errors import BadRequestError
 from localrun.grammar.core import Grammar
+from localrun.prompt import healing
 from localrun.request import GenerationRequest
 from localrun.sampling import SamplingParams
 
@@ -65,7 +65,7 @@ def test_heal_back_takes_the_tokens_a_longer_token_could_have_written():
 
 
 def test_heal_back_stops_at_heal_most(monkeypatch):
-    monkeypatch.setattr(engine_module, "HEAL_MOST", 1)
+    monkeypatch.setattr(healing, "HEAL_MOST", 1)
     assert engine().heal_back(PROMPT) == (PROMPT[:-1], b"q")
 
 

@@ -1,6 +1,6 @@
 """Sampling over the whole vocabulary (top-k 0, no truncation): the block-wise draw picks
 what one running total over every id would (Sampler._draw_whole), and a grammar holds
-such a chain by redrawing what it refuses (Engine._draw_allowed) with the law of the
+such a chain by redrawing what it refuses (localrun.grammar.redraw) with the law of the
 masked row, computing the full mask only after REDRAWS refusals."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from fakes import EOS, N_VOCAB, ScriptedBackend
 from test_speculative import chi_square
 
-from localrun import engine as engine_module
 from localrun.engine import Engine
+from localrun.grammar import redraw
 from localrun.grammar.core import Grammar
 from localrun.grammar.matcher import GrammarMatcher
 from localrun.sampling import SamplingParams
@@ -124,7 +124,7 @@ def test_redrawing_keeps_the_masked_rows_law(monkeypatch):
 
 
 def test_after_redraws_run_out_the_full_mask_decides(monkeypatch):
-    monkeypatch.setattr(engine_module, "REDRAWS", 0)
+    monkeypatch.setattr(redraw, "REDRAWS", 0)
     applied = []
     real_apply = GrammarMatcher.apply
     monkeypatch.setattr(GrammarMatcher, "apply", lambda self, logits: (applied.append(1), real_apply(self, logits))[1])
@@ -149,4 +149,4 @@ def test_a_stretch_of_refusals_masks_the_next_steps_at_once(monkeypatch):
     done = eng.complete([ord("x")], sampling=WHOLE, max_tokens=8, grammar=Grammar.from_regex("a+"))
     assert done.text == "a" * 8
     # steps 1 (4 refusals), 2-3 (masked: 1 + ... ), ...: far fewer than 8 steps x 4 asks
-    assert len(allowed_asked) < 8 * engine_module.REDRAWS / 2, len(allowed_asked)
+    assert len(allowed_asked) < 8 * redraw.REDRAWS / 2, len(allowed_asked)

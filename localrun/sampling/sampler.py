@@ -108,7 +108,7 @@ class Sampler:
         DRY, logit bias, a fixed temperature) and keeps every id. Then the chain's law
         over a grammar's allowed ids is its law over the whole row given that the draw
         lands among them, so a draw the grammar refuses may be taken out and drawn again
-        (Engine._draw_allowed) instead of masking the whole row first."""
+        (localrun.grammar.redraw) instead of masking the whole row first."""
         p = self.params
         if p.greedy or p.mirostat or p.dynatemp_range > 0:
             return False

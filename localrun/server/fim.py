@@ -20,7 +20,7 @@ what a keystroke changes, the text just before the cursor, costs least when it c
 writes, where the cursor may cut what the model would write as one token: a line
 ending "def " ends on a lone space token, and Qwen2.5-Coder went on " multiply" (two
 spaces). So the prompt's last text tokens are taken off and the answer's first tokens must
-write their text again (GenerationRequest.token_healing, Engine.heal_back): here the
+write their text again (GenerationRequest.token_healing, prompt/healing.py): here the
 space, and " multiply" begins the answer, which gives "multiply"; "x = math.sq" was cut
 as ".s" "q" and went on "root" (math.sqroot), healed ".sqrt". llama-server keeps the
 cursor at the prefix's end (it writes /infill's `prompt` before <SUF>), so both its
