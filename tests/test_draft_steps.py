@@ -29,3 +29,9 @@ def test_a_costly_ask_reads_under_one_and_its_interval_narrows_with_steps():
 def test_one_step_an_arm_has_no_interval():
     assert "interval" not in arm_ratio([(0.03, 1)], [(0.03, 1)])
     assert parse_args(["--tasks", "bicycle", "--answers", "2"]).answers == 2
+
+
+def test_the_proposer_picks_the_default_model():
+    assert parse_args([]).target.endswith("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+    assert parse_args(["--proposer", "lookup"]).target.endswith("smollm2-135m-instruct-q4_1.gguf")
+    assert parse_args(["--proposer", "lookup", "--target", "m.gguf"]).target == "m.gguf"
