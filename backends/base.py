@@ -36,7 +36,9 @@ class BackendOptions:
     kv_cache_type: "f16", "q8_0" or "q4_0" (None: f16), the KV cache's element type.
     llama.cpp's own: threads (None: fitted to the cores others leave free), n_gpu_layers
     (-1: every layer on the GPU where one exists), cluster (a localrun.cluster.rpc.Cluster:
-    RPC workers to split the model over), repack (the CPU's gemm weight layouts).
+    RPC workers to split the model over), repack (the CPU's gemm weight layouts),
+    flash_attn ("on" or "off": that attention kernel, not the one measured or llama.cpp's
+    choice; for numbers that must not depend on it, as quant/quality.py's comparisons).
     MLX's own: trust_remote_code (import the Python code a model folder names).
     A backend refuses, in one line, a value that means nothing to it."""
 
@@ -48,10 +50,15 @@ class BackendOptions:
     n_gpu_layers: int = -1
     cluster: object | None = None  # localrun.cluster.rpc.Cluster (not imported: the foundations stay light)
     repack: bool = True
+    flash_attn: str | None = None
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_type", check_kv_cache_type(self.kv_cache_type))
+        if self.flash_attn not in (None, "on", "off"):
+            raise ValueError(f"flash_attn must be 'on', 'off' or None, got {self.flash_attn!r}")
+        if self.flash_attn == "off" and self.kv_cache_type != "f16":
+            raise ValueError(f"a {self.kv_cache_type} KV cache needs flash attention on")
 
     @classmethod
     def of(cls, options: "BackendOptions | None" = None, **fields) -> "BackendOptions":

@@ -143,7 +143,7 @@ class LlamaCppBackend:
         on_cpu = n_gpu_layers == 0 or not rpc.local_gpus()
         scores = attention_scores_bytes(self.n_batch, self.n_ctx * self.n_seq, _lc.llama_model_n_head(model))
         self.attention_timing: attention_timing.AttentionTiming | None = None  # what a measured choice rests on
-        self.flash_attn = flash_attention_choice(self.kv_cache_type, on_cpu, scores)
+        self.flash_attn = o.flash_attn or flash_attention_choice(self.kv_cache_type, on_cpu, scores)
         if self.flash_attn == MEASURE:
             self.flash_attn = self._measured_flash_attention(model, path, threads, o.cluster)
         cparams = self._context_params(self.flash_attn, self.n_ctx * self.n_seq, self.n_batch, threads, self.n_seq)

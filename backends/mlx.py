@@ -42,6 +42,7 @@ _LLAMA_CPP_ONLY = {
     "n_gpu_layers": (-1, "n_gpu_layers", "MLX runs every layer on its default device"),
     "cluster": (None, "--rpc", "MLX spreads a model over machines with mlx-ring instead"),
     "repack": (True, "repack", "MLX keeps its weights in one layout"),
+    "flash_attn": (None, "flash_attn", "MLX picks its own attention kernel"),
 }
 CONFIG_READ_LIMIT = 4 << 20  # a config.json is a few KB; a bigger one is not read whole
 

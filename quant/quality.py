@@ -65,7 +65,12 @@ class QualityRow:
 def _open(path: str | os.PathLike, ctx: int, threads: int | None):
     from localrun.backends import open_backend
 
-    return open_backend(path, n_ctx=ctx, n_seq=1, n_batch=ctx, threads=threads)
+    # The reference and every quant attend with one kernel (flash attention off, as
+    # llama-perplexity -fa off), so that a KLD measures the quantization alone: a choice
+    # timed per file (backends/attention_timing.py) could differ between two of them, and
+    # the two kernels round differently (a Q4_K_M SmolLM2's perplexity moved 1%).
+    fixed = {"flash_attn": "off"} if Path(path).is_file() else {}  # an MLX model is a folder
+    return open_backend(path, n_ctx=ctx, n_seq=1, n_batch=ctx, threads=threads, **fixed)
 
 
 def _log_softmax(rows: np.ndarray) -> np.ndarray:

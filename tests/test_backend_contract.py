@@ -365,7 +365,8 @@ def test_both_backends_take_one_set_of_load_options():
 
 @pytest.mark.parametrize(
     "option, shown", [({"threads": 4}, "--threads 4"), ({"n_gpu_layers": 0}, "n_gpu_layers 0"),
-                      ({"cluster": object()}, "--rpc"), ({"repack": False}, "repack False")]
+                      ({"cluster": object()}, "--rpc"), ({"repack": False}, "repack False"),
+                      ({"flash_attn": "on"}, "flash_attn on")]
 )
 def test_mlx_refuses_llama_cpp_options_before_reading_anything(tmp_path, option, shown):
     """The folder is empty: only a refusal that comes first can answer with this error."""
@@ -376,5 +377,15 @@ def test_mlx_refuses_llama_cpp_options_before_reading_anything(tmp_path, option,
         MLXBackend(tmp_path, **option)
     msg = str(exc.value)
     assert msg.startswith(shown) and "llama.cpp models only" in msg and "\n" not in msg
-    with pytest.raises(TypeError, match="unexpected keyword argument 'flash_attn'"):  # BackendOptions' own TypeError
-        MLXBackend(tmp_path, flash_attn=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'offload_kqv'"):  # BackendOptions' own TypeError
+        MLXBackend(tmp_path, offload_kqv=True)
+
+
+def test_flash_attn_is_on_off_or_chosen_and_a_quantized_cache_needs_it_on():
+    from localrun.backends.base import BackendOptions
+
+    assert BackendOptions(flash_attn="off").changed() == {"flash_attn": "off"}
+    with pytest.raises(ValueError, match="'on', 'off' or None"):
+        BackendOptions(flash_attn=True)
+    with pytest.raises(ValueError, match="q8_0 KV cache needs flash attention on"):
+        BackendOptions(flash_attn="off", kv_cache_type="q8_0")

@@ -78,6 +78,13 @@ def test_the_choice_reaches_llama_cpp(smollm2_gguf, monkeypatch):
     finally:
         on.close()
     assert int(row_off.argmax()) == int(row_on.argmax())
+    # the option, for numbers that must not depend on the choice (quant/quality.py), wins over it all
+    pinned = LlamaCppBackend(smollm2_gguf, n_ctx=256, flash_attn="off")  # the environment still says "on"
+    try:
+        assert pinned.flash_attn == "off"
+        assert np.array_equal(_last_row(pinned, tokens), row_off)
+    finally:
+        pinned.close()
     assert not np.array_equal(row_off, row_on)
     # a little: up to ~0.9 on an AVX2 EPYC (both kernels and a prompt-sized batch), far below the logits' spread
     assert np.abs(row_off - row_on).max() < 2.0

@@ -153,8 +153,8 @@ def test_agrees_with_llama_perplexity(f16, ladder_rows, heldout, tmp_path_factor
     q = quant_path(f16, "Q4_K_M", tmp_path_factory)
     text, base = tmp_path / "heldout.txt", tmp_path / "base.kld"
     text.write_text(heldout)
-    # localrun keeps flash attention off on the CPU with an f16 cache (backends/attention.py);
-    # the two attention kernels round differently, so the native tool must match it.
+    # quant/quality.py measures every model with flash attention off (not the choice timed
+    # per file); the two attention kernels round differently, so the native tool must match it.
     common = ["-c", str(CTX), "-b", str(CTX), "--chunks", str(CHUNKS), "-t", str(THREADS), "-fa", "off",
               "--kl-divergence-base", str(base)]
     for args in (["-m", str(f16), "-f", str(text)], ["-m", str(q), "--kl-divergence"]):
