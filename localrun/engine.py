@@ -32,7 +32,7 @@ from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededErro
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar.json_budget import CLOSING_RESERVE, BudgetTokens, budget_tokens, inside_string, narrow
 from .grammar.matcher import GrammarMatcher
-from .grammar.redraw import draw_allowed
+from .grammar.redraw import draw_allowed, redraws
 from .grammar.tokenizer import build_tokenizer
 from .prompt.healing import heal_back, healing_row
 from .request import GenerationRequest, check_template_kwargs, prepare, request_or_options, with_thinking_aliases
@@ -196,7 +196,7 @@ class Engine:
         request = prepare(self, request_or_options(request, options), tokens)
         heal = b""
         if request.token_healing and request.grammar is None and not request.tools:
-            tokens, heal = self.heal_back(tokens)
+            tokens, heal = heal_back(self.backend, self.token_text.index(int(self.info.n_vocab)), tokens)
         self.check_prompt(tokens, request.max_tokens)
         if not self._free:
             raise RuntimeError("every sequence slot is busy")
@@ -440,7 +440,7 @@ class Engine:
             if g.sampler.params.n_probs and event.tokens:
                 event.top_probs, event.token_probs = [[(token, 1.0)]], [1.0]
             return event
-        if g.matcher is not None and lead is None and self._redraws(g):
+        if g.matcher is not None and lead is None and redraws(g):
             return self._accept(g, draw_allowed(g, raw_row), now)
         row = raw_row if g.matcher is None else self._constrain(g, raw_row)
         if g.heal:
@@ -458,16 +458,6 @@ class Engine:
             known = dict(alternatives)
             event.token_probs = [known[token] if token in known else g.sampler.token_prob(row, token)]
         return event
-
-    def _redraws(self, g: Generation) -> bool:
-        """Whether g's grammar may hold its draw by redrawing (grammar/redraw.py): a chain
-        that keeps every id, no per-token probabilities asked, no JSON budget narrowing."""
-        closing = g.closes_json and g.tokens_left <= CLOSING_RESERVE
-        return not g.sampler.params.n_probs and not closing and g.sampler.reweighs_only()
-
-    def heal_back(self, tokens: list[int]) -> tuple[list[int], bytes]:
-        """Token healing (prompt/healing.py): (the prompt left, the text taken off its end)."""
-        return heal_back(self.backend, self.token_text.index(int(self.info.n_vocab)), tokens)
 
     def budget_tokens(self) -> BudgetTokens:
         """json_budget.budget_tokens for this model's vocabulary, built on first use

@@ -144,6 +144,36 @@ def test_random_grammars_are_answered_in_time_without_touching_the_victim(server
         assert len(resp.json()["tokens"]) <= 8
 
 
+@settings(FUZZ, max_examples=10)
+@given(grammar=st.one_of(gbnf(), lark()))
+def test_random_grammars_over_the_whole_vocabulary_are_answered_in_time(server, victim, grammar):
+    """No truncation (top-k 0): the grammar holds the draw by redrawing what it refuses
+    (localrun.grammar.redraw), then by its mask."""
+    resp = _ask(server, "/completion", {"prompt": "a", "n_predict": 8, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                        "min_p": 0.0, "seed": 1, "grammar": grammar})
+    if resp.status_code == 200:
+        assert len(resp.json()["tokens"]) <= 8
+
+
+# -- fill-in-the-middle ------------------------------------------------------------------------
+
+_FIM_TEXT = st.lists(st.sampled_from(["def ", "x = math.sq", "\n", "    ", "<|fim_middle|>", "<|fim_prefix|>",
+                                      "<|endoftext|>", "\x00", "é", "😀", "\r\n", "a" * 1200, " " * 300, "\t"]),
+                     max_size=6).map("".join)
+
+
+@settings(FUZZ, max_examples=12)
+@given(prefix=_FIM_TEXT, suffix=_FIM_TEXT, prompt=_FIM_TEXT)
+def test_random_infill_texts_are_answered_in_time_without_touching_the_victim(server, victim, prefix, suffix,
+                                                                              prompt):
+    """The cursor's line moved after <MID> (long lines, special-token text, lone control
+    bytes) and token healing of whatever the prompt ends on (server/fim.py)."""
+    resp = _ask(server, "/infill", {"model": QWEN, "input_prefix": prefix, "input_suffix": suffix, "prompt": prompt,
+                                    "n_predict": 4, "temperature": 0, "lookup": False})
+    if resp.status_code == 200:
+        assert len(resp.json()["tokens"]) <= 4
+
+
 # -- JSON schemas and tool schemas ----------------------------------------------------------
 
 

@@ -50,6 +50,10 @@ class WordBackend(ScriptedBackend):
         return row
 
 
+def back(eng: Engine, tokens: list[int]) -> tuple[list[int], bytes]:
+    return healing.heal_back(eng.backend, eng.token_text.index(N_VOCAB), tokens)
+
+
 def engine(prefer=lambda hist: {EOS: 1.0}) -> Engine:
     return Engine(WordBackend(prefer))
 
@@ -57,16 +61,16 @@ def engine(prefer=lambda hist: {EOS: 1.0}) -> Engine:
 def test_heal_back_takes_the_tokens_a_longer_token_could_have_written():
     eng = engine()
     # "q", then ".s" (".sq" begins ".sqrt"), not "h" (no token begins "h.sq")
-    assert eng.heal_back(PROMPT) == (list(b"x = math"), b".sq")
-    assert eng.heal_back(list(b"for n in") + [SPACE_NA]) == (list(b"for n in"), b" na")
-    assert eng.heal_back(list(b"ab")) == ([ord("a")], b"b")  # the last text token always goes
-    assert eng.heal_back([ord("q")]) == ([ord("q")], b"")  # the first never
-    assert eng.heal_back(list(b"ab") + [EOS]) == (list(b"ab") + [EOS], b"")  # nor a control token
+    assert back(eng, PROMPT) == (list(b"x = math"), b".sq")
+    assert back(eng, list(b"for n in") + [SPACE_NA]) == (list(b"for n in"), b" na")
+    assert back(eng, list(b"ab")) == ([ord("a")], b"b")  # the last text token always goes
+    assert back(eng, [ord("q")]) == ([ord("q")], b"")  # the first never
+    assert back(eng, list(b"ab") + [EOS]) == (list(b"ab") + [EOS], b"")  # nor a control token
 
 
 def test_heal_back_stops_at_heal_most(monkeypatch):
     monkeypatch.setattr(healing, "HEAL_MOST", 1)
-    assert engine().heal_back(PROMPT) == (PROMPT[:-1], b"q")
+    assert back(engine(), PROMPT) == (PROMPT[:-1], b"q")
 
 
 def test_the_first_token_writes_the_healed_text_again_and_the_text_goes_on_after_it():

@@ -15,8 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from .json_budget import CLOSING_RESERVE
+
 REDRAWS = 4
 MASK_BACKOFF_MOST = 32
+
+
+def redraws(g) -> bool:
+    """Whether g's grammar may hold its draw by redrawing: a chain that keeps every id,
+    no per-token probabilities asked, no JSON budget narrowing (json_budget)."""
+    closing = g.closes_json and g.tokens_left <= CLOSING_RESERVE
+    return not g.sampler.params.n_probs and not closing and g.sampler.reweighs_only()
 
 
 def draw_allowed(g, raw_row) -> int:
