@@ -12,8 +12,8 @@ fitted_threads: from one to all cores), the settings alternating round by round 
 a change of load falls on both.
 
 The winner is the setting with the shorter time for a reference turn of PROMPT_PER_ANSWER
-prompt tokens per answer token, "off" unless "on" is CLEAR_GAIN faster. It is remembered in the cache folder (datafiles.cache_dir) per model file,
-llama.cpp build, machine, thread count and KV type (as the batch drift is), and used by
+prompt tokens per answer token, "off" unless "on" is CLEAR_GAIN faster. It is remembered in the cache folder (datafiles.cache_dir) per model (its
+bytes, wherever the file lies), llama.cpp build, machine, thread count and KV type (as the batch drift is), and used by
 every later load. A measurement taken while other processes kept a core busy is used for
 that load only, and none is taken while they keep one busy at load (the load then
 attends without flash attention, the old rule): a later load measures.
@@ -93,14 +93,11 @@ def _here() -> str:
 
 
 def timing_key(model_path: str, kv_cache_type: str, threads: int) -> str | None:
-    """The model file (its real path, size and mtime), the llama.cpp build, the machine,
-    the thread count and the KV type; None for a file that cannot be read."""
-    try:
-        real = Path(model_path).resolve()
-        st = real.stat()
-    except OSError:
-        return None
-    return f"{_here()}t={threads}|kv={kv_cache_type}|{real}|{st.st_size}|{st.st_mtime_ns}"
+    """The llama.cpp build, the machine, the thread count, the KV type and the model's
+    bytes (datafiles.file_identity: a copy elsewhere is the same model); None for a file
+    that cannot be read."""
+    identity = datafiles.file_identity(model_path)
+    return f"{_here()}t={threads}|kv={kv_cache_type}|{identity}" if identity else None
 
 
 def recall(model_path: str, kv_cache_type: str, threads: int) -> AttentionTiming | None:
@@ -116,12 +113,12 @@ def remembered() -> list[tuple[str, AttentionTiming]]:
     for key, value in datafiles.read_cache(FILE_NAME).items():
         if not key.startswith(prefix):
             continue
-        fields = key[len(prefix):].split("|")  # threads, kv=..., path, size, mtime
-        if len(fields) < 3 or not fields[0].isdigit():
+        fields = key[len(prefix):].split("|")  # threads, kv=..., identity
+        if len(fields) < 3 or not fields[0].isdigit() or not isinstance(value, dict):
             continue
         t = AttentionTiming.from_json(int(fields[0]), value)
         if t is not None:
-            out.append((f"{Path(fields[2]).name} ({fields[1]})", t))
+            out.append((f"{value.get('model', '?')} ({fields[1]})", t))
     return out
 
 
@@ -129,8 +126,8 @@ def remember(model_path: str, kv_cache_type: str, timings: list[AttentionTiming]
     entries = {}
     for t in timings:
         key = timing_key(model_path, kv_cache_type, t.threads)
-        if key:
-            entries[key] = t.as_json()
+        if key:  # the file's name, for doctor: the key holds its bytes' identity only
+            entries[key] = t.as_json() | {"model": Path(model_path).name}
     if entries:
         datafiles.remember(FILE_NAME, entries)
 

@@ -13,6 +13,7 @@ raised."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 MAX_ENTRIES = 256  # keys kept per cache file; the oldest go first
+IDENTITY_SPAN = 1 << 20  # bytes hashed at each end of a model file for its identity
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,30 @@ def _platform_folder(env: str, mac: str, xdg: str, xdg_default: str, mine: str =
 
 def cache_path(name: str) -> Path:
     return cache_dir() / name
+
+
+def file_identity(path: str | os.PathLike[str]) -> str | None:
+    """What a measurement of a model is keyed by: its size and a hash of the first and
+    last IDENTITY_SPAN bytes of its file (for an MLX folder, of each file in it). Not
+    its path or mtime: a copy in another folder (a test's temporary one, a moved store)
+    is the same model, measured once, and its key does not pile up a new entry per copy.
+    A GGUF's first MiB holds its header (every tensor's type and shape), so any other
+    quantization or architecture reads as another model. None where it cannot be read."""
+    try:
+        real = Path(path).resolve()
+        files = sorted(f for f in real.iterdir() if f.is_file()) if real.is_dir() else [real]
+        h = hashlib.sha256()
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.name if real.is_dir() else ''}|{size}|".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(IDENTITY_SPAN))
+                if size > 2 * IDENTITY_SPAN:
+                    fh.seek(size - IDENTITY_SPAN)
+                    h.update(fh.read(IDENTITY_SPAN))
+    except OSError:
+        return None
+    return h.hexdigest()[:32]
 
 
 def read_cache(name: str) -> dict:

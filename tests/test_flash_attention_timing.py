@@ -67,6 +67,21 @@ def test_timed_once_then_remembered_per_thread_count(tmp_path, monkeypatch):
     assert recall(str(model), "f16", 2) is None
 
 
+def test_a_copy_elsewhere_is_the_same_model(tmp_path, monkeypatch):
+    """Keyed by the file's bytes, not its path: a model copied into another folder (a
+    test's temporary one, a moved store) is not timed again, and adds no entry."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(range(256)) * 5000)
+    quiet(monkeypatch)
+    first = choose(str(model), "f16", 2, 2, lambda counts: [timing(t, 10.0, 8.0) for t in counts])
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(model.read_bytes())
+    assert choose(str(copy), "f16", 2, 2, lambda counts: pytest.fail("timed again")) == first
+    cache = json.loads(attention_timing.datafiles.cache_path(attention_timing.FILE_NAME).read_text())
+    assert len(cache) == 2  # 1 and 2 threads, once
+
+
 def test_doctor_lists_what_this_machine_timed(tmp_path, monkeypatch, capsys):
     from localrun.commands.store import flash_attention_rows
 

@@ -3,16 +3,14 @@
 Measuring the drift costs the first speculative steps their speed (each is decoded
 again one row at a time), which a one-shot `localrun run` would pay on every answer.
 The drift is a property of the model file and of the kernels that run it, so it is
-kept per (backend, its version, KV cache type, flash attention on or off, the model's real
-path, size and mtime)
-in `batch-drift.json` in the cache folder (datafiles.cache_dir). A cache that cannot be read or written only
+kept per (backend, its version, KV cache type, flash attention on or off, the model's
+bytes: datafiles.file_identity, so a copy elsewhere is the same model) in `batch-drift.json` in the cache folder (datafiles.cache_dir). A cache that cannot be read or written only
 means measuring again: it never stops an answer.
 """
 
 from __future__ import annotations
 
 from importlib import metadata
-from pathlib import Path
 
 from .drift import BatchDrift
 from .. import datafiles
@@ -35,14 +33,12 @@ def drift_key(backend) -> str | None:
     path = getattr(info, "path", None)
     if not path:
         return None
-    try:
-        real = Path(path).resolve()
-        st = real.stat()
-    except OSError:
+    identity = datafiles.file_identity(path)
+    if identity is None:
         return None
     kv = getattr(backend, "kv_cache_type", None) or "f16"
     fa = getattr(backend, "flash_attn", None) or "-"  # another attention kernel drifts otherwise
-    return f"{info.backend}|{_version(info.backend)}|kv={kv}|fa={fa}|{real}|{st.st_size}|{st.st_mtime_ns}"
+    return f"{info.backend}|{_version(info.backend)}|kv={kv}|fa={fa}|{identity}"
 
 
 def recall(backend) -> BatchDrift:
