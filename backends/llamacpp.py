@@ -42,7 +42,7 @@ from localrun.hardware import OthersLoad, fitted_threads, inference_threads
 
 from . import attention_timing
 from .attention import MEASURE, attention_scores_bytes, flash_attention_choice
-from .base import BackendOptions, BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch
+from .base import BackendOptions, BatchEntry, DecodeInterrupted, KvLedger, ModelInfo, check_batch, neighbour_passes
 
 try:
     import llama_cpp as _lc
@@ -168,6 +168,11 @@ class LlamaCppBackend:
         # One batch for the life of the context; each token belongs to one sequence.
         self._batch = _lc.llama_batch_init(self.n_batch, 0, 1)
         self._piece_buf = ctypes.create_string_buffer(256)
+        # llama_get_logits as an address (the binding's own returns a float pointer, which
+        # numpy reads slowly), in a function object of our own: the binding's stays as it is
+        self._logits_addr = _lc.llama_cpp._lib["llama_get_logits"]
+        self._logits_addr.restype, self._logits_addr.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        self._logits_view: tuple[int, np.ndarray] | None = None
         self._pieces: dict[int, bytes] = {}
         self.info = self._read_info(path, n_ctx_train)
 
@@ -338,6 +343,10 @@ class LlamaCppBackend:
     # -- forward pass ------------------------------------------------------------
 
     def decode(self, batch: Sequence[BatchEntry]) -> list[np.ndarray]:
+        # Lean on purpose: the decode before this line streamed the weights through the
+        # caches, so each Python object touched here is a miss to memory (~0.1 us; a
+        # token's Python work measured ~15x its warm cost). One generation's token is the
+        # common step: no sort, no dictionary, the logits view reused.
         check_batch(batch, self.n_seq, self.n_ctx, self.n_batch)
         if self._load is not None and time.monotonic() >= self._refit_at:
             self._refit_threads()
@@ -347,7 +356,7 @@ class LlamaCppBackend:
         # ids rise by one from the batch's first token on; any other order splits a step
         # into several decodes. So the batch goes in seq order (and runs of consecutive
         # ids are the engine's business: see localrun/slots.py).
-        ordered = sorted(batch, key=lambda e: e.seq)
+        ordered = batch if len(batch) == 1 else sorted(batch, key=lambda e: e.seq)
         i = 0
         for e in ordered:
             first_out = len(e.tokens) - e.n_logits
@@ -359,10 +368,10 @@ class LlamaCppBackend:
                 lgt[i] = j >= first_out
                 i += 1
         b.n_tokens = i
-        try:
-            rc = _lc.llama_decode(self._ctx, b)
-        finally:
-            ctypes.memmove(self._abort_flag, b"\0", 1)  # an interrupt stops one decode
+        rc = _lc.llama_decode(self._ctx, b)
+        if rc != 0 or self._interrupt_asked:  # an interrupt stops one decode (this one, or the next)
+            ctypes.memmove(self._abort_flag, b"\0", 1)
+            self._interrupt_asked = False
         if rc == 2:  # aborted: drop whatever part of the batch reached the cache
             for e in batch:
                 _lc.llama_memory_seq_rm(self._mem, e.seq, e.pos, -1)
@@ -374,14 +383,26 @@ class LlamaCppBackend:
         n_out = sum(e.n_logits for e in batch)
         if n_out == 0:
             return [np.empty((0, self.n_vocab), np.float32) for _ in batch]
+        rows = self._logits(n_out)
+        if len(batch) == 1:
+            return [rows]
         # Rows with logits sit contiguously in llama_batch order in the context's output buffer.
-        ptr = _lc.llama_get_logits(self._ctx)
-        rows = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
         by_seq, r = {}, 0
         for e in ordered:
             by_seq[e.seq] = rows[r : r + e.n_logits]
             r += e.n_logits
         return [by_seq[e.seq] for e in batch]
+
+    def _logits(self, n_out: int) -> np.ndarray:
+        """The context's first n_out logit rows, a view of its output buffer. The view is
+        kept while the buffer stays where it is (llama.cpp moves it only to grow it):
+        building one through ctypes costs ~60 us right after a decode."""
+        addr = self._logits_addr(self._ctx)
+        view = self._logits_view
+        if view is None or view[0] != addr or view[1].shape[0] < n_out:
+            floats = (ctypes.c_float * (n_out * self.n_vocab)).from_address(addr)
+            self._logits_view = view = (addr, np.frombuffer(floats, np.float32).reshape(n_out, self.n_vocab))
+        return view[1][:n_out]
 
     def _refit_threads(self) -> None:
         """Follow the cores other processes leave free (hardware.fitted_threads): a
@@ -400,6 +421,7 @@ class LlamaCppBackend:
 
     can_interrupt = True
     batches_neighbours_only = True  # split_equal(sequential) with a KV stream per sequence
+    passes = staticmethod(neighbour_passes)
 
     def _arm_interrupt(self, ctx) -> None:
         """ggml asks its abort callback `bool f(void *data)` between graph nodes, on its
@@ -408,15 +430,18 @@ class LlamaCppBackend:
         in C: "" (0) = go on, "x" (1) = stop. The 0/1 result lands in the return
         register's low byte, which is where a C bool is read on x86-64 and arm64."""
         self._abort_flag = ctypes.create_string_buffer(2)
+        self._interrupt_asked = False
         strlen = ctypes.cast(ctypes.CDLL(None).strlen, ctypes.c_void_p).value
         self._abort_fn = _lc.ggml_abort_callback(strlen) if hasattr(_lc, "ggml_abort_callback") else strlen
         _lc.llama_set_abort_callback(ctx, self._abort_fn, ctypes.cast(self._abort_flag, ctypes.c_void_p))
 
     def interrupt(self) -> None:
+        self._interrupt_asked = True  # first: decode() clears the flag when it sees this
         ctypes.memmove(self._abort_flag, b"x", 1)
 
     def clear_interrupt(self) -> None:
         ctypes.memmove(self._abort_flag, b"\0", 1)
+        self._interrupt_asked = False
 
     # -- embeddings --------------------------------------------------------------
 

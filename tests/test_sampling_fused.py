@@ -172,3 +172,36 @@ def test_small_rows_take_the_staged_chain():
     s = Sampler(SamplingParams(seed=0))
     assert s._fused.candidates(np.zeros(1000, np.float32), [], s._stage) is None
     assert s._fused.candidates(np.zeros(50_000, np.float64), [], s._stage) is None
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_the_one_call_draw_is_the_lists_draw(chain, monkeypatch):
+    """_topk.top_k_draw (the whole tail and the draw in C) picks the id that
+    `truncate`'s lists and a bisect over their running totals pick, for the same
+    uniform, on every row and uniform tried, and leaves the row as it was."""
+    from localrun.sampling import fused as fused_module
+
+    if fused_module._native_top_k_draw is None:
+        pytest.fail("the C sampler extension was not built (a C compiler is part of the setup)")
+    rng = np.random.default_rng(17 + len(chain))
+    plan = FusedChain.plan(SamplingParams(**CHAINS[chain]))
+    stage = Sampler(SamplingParams(**CHAINS[chain]))._stage
+    for trial in range(6):
+        x, history = a_row(rng, 49_152 if trial % 2 else 151_936)
+        if trial == 5:
+            x *= 0.01  # a flat row: many candidates survive every cut
+        before = x.copy()
+        uniforms = rng.random(60).tolist() + [0.0, 1 - 2**-53]
+        for u in uniforms:
+            got = plan.draw(x, history, stage, lambda: u)
+            monkeypatch.setattr(fused_module, "_native_top_k_draw", None)
+            want = plan.draw(x, history, stage, lambda: u)
+            monkeypatch.undo()
+            assert got == want, (trial, u)
+        np.testing.assert_array_equal(x, before)
+    asked = []
+    masked = np.full(49_152, -np.inf, np.float32)
+    masked[[5, 9]] = [1.0, 2.0]  # fewer than k allowed: the lists' path, random() asked once
+    assert plan.draw(masked, [], stage, lambda: asked.append(1) or 0.5) in (5, 9) and asked == [1]
+    masked[9] = np.nan
+    assert plan.draw(masked, [], stage, lambda: pytest.fail("drew for a NaN row")) is None

@@ -16,8 +16,9 @@ distinct calls, not the work. So this path:
   compiler built that, with numpy: one pass for the column maxima of a (rows, 4096)
   view, a bound on the k-th largest from 64 maxima of those, and a gather of the few
   columns that reach it;
-* runs top-p, min-p, temperature and the draw in Python floats over the k sorted
-  candidates: the cuts and roundings are the staged functions' (`stages.py`), the
+* runs top-p, min-p, temperature and the draw over the k sorted candidates, in the
+  same C call where it is built (`draw`: one call, no Python float per candidate),
+  else in Python floats: the cuts and roundings are the staged functions' (`stages.py`), the
   exponentials run in float64 instead of float32, so a probability may differ in its
   7th digit, and the candidates and draws are the staged chain's except where a top-p
   cut or a uniform falls within that of a boundary (tests/test_sampling_fused.py).
@@ -35,13 +36,14 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_right
 from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .params import _ARGMAX_CHANGING, SamplingParams
-from .stages import _Cands, _head_columns, _native_top_k
+from .stages import _Cands, _head_columns, _native_top_k, _native_top_k_draw
 
 # columns of the top-k view: 4096 maxima are cheap to partition, and a 262k row is 64
 # rows of them (49k: 12). Below MIN_ROW the staged chain is as fast.
@@ -121,6 +123,16 @@ class FusedChain:
     def candidates(
         self, row: np.ndarray, history: Sequence[int], stage: Callable[[str, _Cands, Sequence[int]], None]
     ) -> tuple[list[int], list[float]] | None:
+        return self._run(row, history, stage, None)
+
+    def draw(self, row: np.ndarray, history: Sequence[int], stage: Callable[[str, _Cands, Sequence[int]], None],
+             random: Callable[[], float]) -> int | None:
+        """The id `candidates` and a draw with u = random() give (Sampler.sample's draw),
+        or None (random() not called) for a row this path does not take."""
+        return self._run(row, history, stage, random)
+
+    def _run(self, row: np.ndarray, history: Sequence[int], stage, random: Callable[[], float] | None):
+        """`candidates` without `random`; with it, `draw`."""
         if row.ndim != 1 or row.dtype != np.float32 or row.shape[0] < MIN_ROW or not row.flags.c_contiguous:
             return None
         work, saved = row, None
@@ -137,13 +149,24 @@ class FusedChain:
             work = row if row.flags.writeable else row.copy()
             saved = self.penalise(work, history)
         try:
-            top = self.top(work)
+            if random is not None and _native_top_k_draw is not None:
+                token = _native_top_k_draw(work, self.k, self.tail, random)
+                # None: a NaN, or fewer than k allowed ids: those, as `top` finds them
+                top = None if token is not None else self.allowed(work)
+            else:
+                token, top = None, self.top(work)
         finally:
             if saved is not None and work is row:
                 self.restore(row, saved)
+        if token is not None:
+            return token
         if top is None:  # a row with a NaN, or with no allowed token
             return None
-        return self.truncate(*top)
+        ids, probs = self.truncate(*top)
+        if random is None:
+            return ids, probs
+        cum = list(accumulate(probs))  # np.cumsum's sums, one at a time
+        return ids[min(bisect_right(cum, random() * cum[-1]), len(cum) - 1)]
 
     def penalise(self, row: np.ndarray, history: Sequence[int]) -> tuple[list[int], list[float]] | None:
         """llama.cpp's repetition, frequency and presence penalties written into the row

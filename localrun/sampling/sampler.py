@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
-from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
@@ -207,13 +205,11 @@ class Sampler:
         """distribution + draw + commit; greedy is a plain argmax."""
         if self.params.greedy:
             return int(np.argmax(self.adjusted(row, history)))
-        if self._fused is not None:  # its lists, drawn from without numpy (see fused.py)
-            fused = self._fused.candidates(row, history, self._stage)
-            if fused is not None:
+        if self._fused is not None:  # drawn from without numpy (see fused.py)
+            token = self._fused.draw(row, history, self._stage, self.rng.random)
+            if token is not None:
                 self._n_row = row.shape[0]
-                cum = list(accumulate(fused[1]))  # np.cumsum's sums, one at a time
-                at = bisect_right(cum, self.rng.random() * cum[-1])
-                return fused[0][min(at, len(cum) - 1)]
+                return token
         c = self._staged(row, history)
         if c.ids is None and c.size > _SORTED_AT_MOST and not self.params.mirostat:
             # the whole row in id order, as `distribution` leaves it: the same draw without

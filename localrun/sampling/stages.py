@@ -10,9 +10,9 @@ from typing import Sequence
 import numpy as np
 
 try:  # the top-k in one C pass (_topk.c); a machine that built without a C compiler has numpy's
-    from ._topk import top_k as _native_top_k
+    from ._topk import top_k as _native_top_k, top_k_draw as _native_top_k_draw
 except ImportError:
-    _native_top_k = None
+    _native_top_k = _native_top_k_draw = None
 
 # Up to this k the C pass's heap stays small (it sorts what it keeps, too).
 _NATIVE_MAX_K = 1024
