@@ -150,6 +150,12 @@ class Backend(Protocol):
     # engine then keeps busy slots adjacent (localrun/slots.py)
     batches_neighbours_only: bool
 
+    def passes(self, counts: Sequence[int]) -> list[int]:
+        """The forward passes a step of `counts` tokens per sequence (by sequence id)
+        runs as, in rows per pass: what a draft's rows cost in a shared step
+        (speculation.proposer.StepShare)."""
+        ...
+
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]: ...
 
     def token_bytes(self, token: int) -> bytes:
@@ -218,9 +224,7 @@ class KvLedger:
 
     def fed(self, batch: Sequence[BatchEntry]) -> None:
         for e in batch:
-            kv = self._kv[e.seq]
-            del kv[e.pos :]
-            kv.extend(int(t) for t in e.tokens)
+            self._kv[e.seq][e.pos :] = map(int, e.tokens)
 
     def trimmed(self, seq: int, n_keep: int) -> None:
         del self._kv[seq][max(0, n_keep) :]
@@ -233,6 +237,28 @@ class KvLedger:
 
     def tokens(self, seq: int) -> list[int]:
         return self._kv[seq]
+
+
+def neighbour_passes(counts: Sequence[int]) -> list[int]:
+    """The forward passes llama.cpp splits a step into, as rows per pass, for the tokens
+    each sequence feeds (`counts`, by sequence id): with a KV stream per sequence
+    (split_equal, sequential), a pass takes the run of consecutive sequence ids from the
+    first with tokens left, the same number of tokens from each: the fewest any of them
+    has left. So 1, 1+k, 1, 1 tokens make passes of 4 and k rows."""
+    left, out = list(counts), []
+    first = 0
+    while True:
+        while first < len(left) and not left[first]:
+            first += 1
+        if first == len(left):
+            return out
+        end = first
+        while end + 1 < len(left) and left[end + 1]:
+            end += 1
+        take = min(left[first : end + 1])
+        out.append(take * (end + 1 - first))
+        for s in range(first, end + 1):
+            left[s] -= take
 
 
 def check_batch(batch: Sequence[BatchEntry], n_seq: int, n_ctx: int, n_batch: int) -> int:

@@ -317,6 +317,10 @@ class MLXBackend:
     can_interrupt = False
     batches_neighbours_only = False  # each sequence runs its own pass (see decode)
 
+    @staticmethod
+    def passes(counts: Sequence[int]) -> list[int]:
+        return [n for n in counts if n]
+
     def interrupt(self) -> None:
         """MLX evaluates a pass as one graph; there is no point to stop it at. Callers
         keep steps short instead (see can_interrupt)."""

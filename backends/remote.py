@@ -34,7 +34,7 @@ import numpy as np
 from localrun.cluster import rpc
 from localrun.errors import BadRequestError, DecodeError, LocalrunError, ModelLoadError
 
-from .base import BackendOptions, BatchEntry, KvLedger, ModelInfo, check_batch
+from .base import BackendOptions, BatchEntry, KvLedger, ModelInfo, check_batch, neighbour_passes
 
 _log = logging.getLogger("localrun")
 
@@ -159,6 +159,7 @@ class RemoteBackend:
     name = "llama.cpp"
     can_interrupt = True
     batches_neighbours_only = True
+    passes = staticmethod(neighbour_passes)
 
     def __init__(self, path: str | os.PathLike, options: BackendOptions | None = None,
                  call_timeout: float | None = None, load_timeout: float = LOAD_TIMEOUT_S, **fields) -> None:

@@ -390,16 +390,20 @@ class Engine:
         # token from each decoding generation, and the prompt chunks the budget leaves room for
         decoding = sum(1 for g in live if g.decoding)
         rows = min(budget, decoding + sum(len(g.pending) for g in live if not g.decoding))
+        counts = self._step_counts(live, budget) if len(live) > 1 else None
         for g in live:
             if budget <= 0:
                 break
             try:
-                share = StepShare(rows=max(rows, 1), tokens=max(decoding, 1))
+                share = (StepShare(rows=max(rows, 1), tokens=max(decoding, 1)) if counts is None else
+                         StepShare(max(rows, 1), max(decoding, 1), tuple(counts), g.seq, self.backend.passes))
                 draft = self.speculator.draft(g, budget - 1, self.n_ctx, share) if g.decoding and g.max_tokens else []
             except Exception as exc:  # its proposer's draft: it ends alone, not in the step
                 self._fail(g, exc)
                 continue
             rows += len(draft)  # the next generation's draft joins a step this much wider
+            if counts is not None:
+                counts[g.seq] += len(draft)
             pending = g.pending
             if not g.decoding and g.max_tokens:
                 # The prompt's last token is read alone, as it is when a cached prefix covers
@@ -413,6 +417,17 @@ class Engine:
             feeds.append(_Feed(g, BatchEntry(g.seq, chunk, g.n_cached, wants), draft))
             budget -= len(chunk)
         return feeds
+
+    def _step_counts(self, live: list[Generation], budget: int) -> list[int]:
+        """The tokens each slot feeds this step before any draft (a decoding generation
+        its pending token, a reading one its prompt chunk within the budget), by slot id:
+        what the backend splits into passes when a draft is priced (StepShare)."""
+        counts = [0] * self.backend.n_seq
+        for g in live:
+            n = 1 if g.decoding else max(0, min(len(g.pending), budget))
+            counts[g.seq] = n
+            budget -= n
+        return counts
 
     def _plain_step(self, g: Generation, fed: BatchEntry, rows, now: float) -> Event:
         """The row after the tokens fed gives the next token."""

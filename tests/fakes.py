@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from localrun.backends.base import BatchEntry, ModelInfo, check_batch
+from localrun.backends.base import BatchEntry, ModelInfo, check_batch, neighbour_passes
 
 EOS = 256
 N_VOCAB = 257
@@ -85,6 +85,10 @@ class ScriptedBackend:
             rows = [self._row(kv[: e.pos + i + 1]) for i in range(len(e.tokens) - e.n_logits, len(e.tokens))]
             out.append(np.stack(rows) if rows else np.empty((0, N_VOCAB), np.float32))
         return out
+
+    def passes(self, counts: Sequence[int]) -> list[int]:
+        """llama.cpp's split where it batches neighbours only, else one pass."""
+        return neighbour_passes(counts) if self.batches_neighbours_only else [sum(counts)] if any(counts) else []
 
     def kv_trim(self, seq: int, n_keep: int) -> None:
         if self.trim_error is not None and len(self.kv[seq]) > n_keep:

@@ -248,7 +248,7 @@ def test_the_protocol_names_every_capability_the_engine_reads():
     declared = set(typing.get_type_hints(Backend)) | set(protocol_methods())
     assert {"can_interrupt", "batches_neighbours_only", "kv_state_bytes", "n_seq", "n_ctx", "n_batch", "n_vocab",
             "kv_cache_type", "info", "clear_interrupt", "interrupt", "embed", "decode", "kv_trim", "kv_copy",
-            "kv_clear", "kv_tokens", "tokenize", "token_bytes", "token_text", "is_control", "close"} <= declared
+            "kv_clear", "kv_tokens", "tokenize", "token_bytes", "token_text", "is_control", "close", "passes"} <= declared
 
 
 def test_each_backend_keeps_the_whole_contract(engine):

@@ -283,11 +283,11 @@ class DraftModelProposer(Proposer):
         delta = self.model.step_delta(self.cost)
         costs = self.cost.ratios(share.rows + most, 0.25)
         others = share.tokens - 1
-        plain = share.tokens / costs[share.rows]
+        plain = share.tokens / share.cost(costs, 0)
         catch_up = 0.0
 
         def rate(expected: float, k: int) -> float:  # tokens per one-row step of k drafted tokens
-            return (others + expected) / (costs[share.rows + k] + k * delta + catch_up)
+            return (others + expected) / (share.cost(costs, k) + k * delta + catch_up)
 
         first = 1 + cal.first_odds(greedy)
         if rate(first, 1) >= plain * MIN_GAIN:  # only then is reading the slot's backlog worth pricing

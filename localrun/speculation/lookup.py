@@ -397,20 +397,20 @@ class LookupProposer(Proposer):
         that many tokens, and the k-th token's odds are scaled by repeat_of / (repeat_of + k)
         (see the note under LOOP_REPEATS).
         `share`: the step the draft joins; its other streams' tokens count in the step's
-        yield and its rows in the step's cost (StepShare), so a draft that would pay alone
+        yield and its passes in the step's cost (StepShare), so a draft that would pay alone
         may not pay in a step that four streams share."""
         best_k, best_gain = 0, self.cfg.min_gain
         gains = [0.0]
         expected, term = 1.0, 1.0
-        rows, others = share.rows, share.tokens - 1
-        costs = self.row_costs(available + rows)
-        base = costs[rows] / share.tokens  # alone: 1.0, and the gain below is expected / costs[k + 1]
+        others = share.tokens - 1
+        costs = self.row_costs(available + share.rows)
+        base = share.cost(costs, 0) / share.tokens  # alone: 1.0, and the gain below is expected / costs[k + 1]
         for k in range(1, available + 1):
             term *= rate
             # the tokens a k-draft step yields on average: 1 + rate + ... + rate**k, each
             # term scaled by the phrase-repeat odds when it continues the answer's own text
             expected += term if repeat_of is None else term * repeat_of / (repeat_of + k)
-            gain = (others + expected) * base / costs[rows + k]
+            gain = (others + expected) * base / share.cost(costs, k)
             gains.append(gain)
             if gain > best_gain:
                 best_k, best_gain = k, gain

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -32,13 +33,34 @@ class StepShare:
     """The step a draft would join, as it is without the draft: the rows it holds (this
     generation's pending token included, other streams' tokens and prompt chunks too)
     and the tokens it yields (one per decoding generation in it). A k-token draft makes
-    the whole step k rows wider, so it pays only when what it is expected to add beats
-    what it slows every stream of the step by: with d decoding streams, a step of r rows
-    and c(r) its cost, k drafted tokens expected to add E tokens pay when
-    (d + E) / c(r + k) > d / c(r). Alone (r = d = 1) that is (1 + E) / c(1 + k) > 1."""
+    the step dearer, so it pays only when what it is expected to add beats what it slows
+    every stream of the step by: with d decoding streams, C(k) the step's cost with the
+    draft, k drafted tokens expected to add E tokens pay when (d + E) / C(k) > d / C(0).
+    Alone that is (1 + E) / c(1 + k) > 1, with c(r) the cost of one pass of r rows.
+
+    With other streams in the step, where the draft's rows go depends on the backend:
+    llama.cpp (a KV stream per sequence) splits a step into passes that take the same
+    number of tokens from each of a run of neighbouring sequences, so a lone draft's
+    rows make a pass of their own (c(r) + c(k), not c(r + k): on 4 streams that cost
+    lookup ~10% of the server's speed), while drafts of the same length from neighbours
+    share one; MLX runs each sequence's rows as a pass. `counts` (the tokens each slot
+    feeds, by slot id, this generation's `me` without its draft) and the backend's
+    `split` (Backend.passes: the rows of each pass for such counts) say which."""
 
     rows: int = 1
     tokens: int = 1
+    counts: tuple[int, ...] = ()
+    me: int = -1
+    split: Callable[[Sequence[int]], list[int]] | None = None
+
+    def cost(self, costs: Sequence[float], k: int) -> float:
+        """C(k), in one-row steps: costs[r] is one pass of r rows (costs[0] = costs[1] = 1);
+        it must reach rows + k."""
+        if self.split is None or not self.counts:
+            return costs[self.rows + k]
+        counts = list(self.counts)
+        counts[self.me] += k
+        return sum(costs[r] for r in self.split(counts))
 
 
 ALONE = StepShare()
