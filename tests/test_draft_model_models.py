@@ -6,6 +6,8 @@ prices are forced to pay and which batch-drift settings keep rows identical here
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 
 from localrun.backends.attention import FLASH_ATTN_ENV
@@ -153,8 +155,9 @@ def test_serve_with_a_draft_model_answers_concurrent_requests_as_without(smollm2
 
     def paying(self, history, room, share=ALONE):
         self.cost.ratios = paying_ratios  # the engine's StepCost, for its draft model only
-        try:
-            out = real_draft(self, history, room, share)
+        try:  # priced as one pass: on llama.cpp a lone draft beside the other stream is its own
+            # pass (StepShare), which these prices would decline; the drafts in shared steps are the point
+            out = real_draft(self, history, room, dataclasses.replace(share, split=None))
         finally:
             del self.cost.ratios
         shares.append(share)

@@ -10,7 +10,9 @@ from localrun.backends.llamacpp import LlamaCppBackend
 
 
 def _rows(path, repack: bool) -> np.ndarray:
-    be = LlamaCppBackend(path, n_ctx=256, threads=2, repack=repack)
+    # attention pinned: where this machine timed flash attention faster it is on, and its
+    # f16 rounding moves Gemma-3's logits by up to ~16 here, which would swamp the layouts'
+    be = LlamaCppBackend(path, n_ctx=256, threads=2, repack=repack, flash_attn="off")
     try:
         tokens = be.tokenize("def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n")
         return np.array(be.decode([BatchEntry(0, tokens, 0, len(tokens))])[0])
