@@ -390,7 +390,7 @@ class Engine:
         # token from each decoding generation, and the prompt chunks the budget leaves room for
         decoding = sum(1 for g in live if g.decoding)
         rows = min(budget, decoding + sum(len(g.pending) for g in live if not g.decoding))
-        counts = self._step_counts(live, budget) if len(live) > 1 else None
+        counts = slots.step_counts(live, budget, self.backend.n_seq) if len(live) > 1 else None
         for g in live:
             if budget <= 0:
                 break
@@ -417,17 +417,6 @@ class Engine:
             feeds.append(_Feed(g, BatchEntry(g.seq, chunk, g.n_cached, wants), draft))
             budget -= len(chunk)
         return feeds
-
-    def _step_counts(self, live: list[Generation], budget: int) -> list[int]:
-        """The tokens each slot feeds this step before any draft (a decoding generation
-        its pending token, a reading one its prompt chunk within the budget), by slot id:
-        what the backend splits into passes when a draft is priced (StepShare)."""
-        counts = [0] * self.backend.n_seq
-        for g in live:
-            n = 1 if g.decoding else max(0, min(len(g.pending), budget))
-            counts[g.seq] = n
-            budget -= n
-        return counts
 
     def _plain_step(self, g: Generation, fed: BatchEntry, rows, now: float) -> Event:
         """The row after the tokens fed gives the next token."""

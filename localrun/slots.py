@@ -56,3 +56,15 @@ def move(left: Mapping[int, int], free: Collection[int]) -> tuple[int, int] | No
             if after < now and (best is None or after < best[0]):
                 best = (after, src, dst)
     return None if best is None else (best[1], best[2])
+
+
+def step_counts(live, budget: int, n_seq: int) -> list[int]:
+    """The tokens each slot feeds a step before any draft (a decoding generation its
+    pending token, a reading one its prompt chunk within the budget), by slot id: what
+    the backend splits into passes when a draft is priced (speculation.proposer.StepShare)."""
+    counts = [0] * n_seq
+    for g in live:
+        n = 1 if g.decoding else max(0, min(len(g.pending), budget))
+        counts[g.seq] = n
+        budget -= n
+    return counts
