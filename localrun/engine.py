@@ -391,13 +391,19 @@ class Engine:
         decoding = sum(1 for g in live if g.decoding)
         rows = min(budget, decoding + sum(len(g.pending) for g in live if not g.decoding))
         counts = slots.step_counts(live, budget, self.backend.n_seq) if len(live) > 1 else None
+        later = decoding  # decoding generations not planned yet: each keeps its token in the step
         for g in live:
             if budget <= 0:
                 break
+            later -= g.decoding
             try:
                 share = (StepShare(rows=max(rows, 1), tokens=max(decoding, 1)) if counts is None else
                          StepShare(max(rows, 1), max(decoding, 1), tuple(counts), g.seq, self.backend.passes))
-                draft = self.speculator.draft(g, budget - 1, self.n_ctx, share) if g.decoding and g.max_tokens else []
+                # A draft takes only the budget the later decoders leave: one that took it
+                # all left them out of the step (4 server streams under a 16-token budget
+                # made steps of two streams' drafts while the other two waited a whole step).
+                room = budget - 1 - later
+                draft = self.speculator.draft(g, room, self.n_ctx, share) if g.decoding and g.max_tokens else []
             except Exception as exc:  # its proposer's draft: it ends alone, not in the step
                 self._fail(g, exc)
                 continue

@@ -103,7 +103,8 @@ def stream_one(url: str, path: str, body: dict) -> dict:
     t = final.get("timings", {})
     return {"sent": sent, "end": end, "ttft_ms": 1000 * ((first or end) - sent),
             "tokens": final.get("tokens_predicted", 0), "cache_n": t.get("cache_n"),
-            "prompt_n": t.get("prompt_n"), "prompt_ms": t.get("prompt_ms")}
+            "prompt_n": t.get("prompt_n"), "prompt_ms": t.get("prompt_ms"),
+            "draft_n": t.get("draft_n"), "draft_n_accepted": t.get("draft_n_accepted")}
 
 
 def concurrent(url: str, body: dict, n: int) -> dict:
@@ -125,8 +126,10 @@ def concurrent(url: str, body: dict, n: int) -> dict:
     wall = max(r["end"] for r in results) - min(r["sent"] for r in results)
     tokens = sum(r["tokens"] for r in results)
     short = [r["tokens"] for r in results if r["tokens"] != body["n_predict"]]
+    # drafted and accepted tokens of each client (llama-server leaves them out without a draft)
+    drafts = [(r["draft_n"], r["draft_n_accepted"]) for r in results if r["draft_n"] is not None]
     return {"tps": tokens / wall, "wall_s": wall, "tokens": tokens, "short": short,
-            "ttft_ms": statistics.median(r["ttft_ms"] for r in results)}
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in results), "drafts": drafts}
 
 
 def code_file(variant: int, n_funcs: int) -> str:
