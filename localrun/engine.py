@@ -391,14 +391,16 @@ class Engine:
         decoding = sum(1 for g in live if g.decoding)
         rows = min(budget, decoding + sum(len(g.pending) for g in live if not g.decoding))
         counts = slots.step_counts(live, budget, self.backend.n_seq) if len(live) > 1 else None
+        plain_rows, plain_counts = max(rows, 1), tuple(counts or ())  # the step before any draft
         later = decoding  # decoding generations not planned yet: each keeps its token in the step
         for g in live:
             if budget <= 0:
                 break
             later -= g.decoding
             try:
-                share = (StepShare(rows=max(rows, 1), tokens=max(decoding, 1)) if counts is None else
-                         StepShare(max(rows, 1), max(decoding, 1), tuple(counts), g.seq, self.backend.passes))
+                share = (StepShare(rows=max(rows, 1), tokens=max(decoding, 1), plain_rows=plain_rows) if counts is None
+                         else StepShare(max(rows, 1), max(decoding, 1), tuple(counts), g.seq, self.backend.passes,
+                                        plain_rows, plain_counts))
                 # A draft takes only the budget the later decoders leave: one that took it
                 # all left them out of the step (4 server streams under a 16-token budget
                 # made steps of two streams' drafts while the other two waited a whole step).

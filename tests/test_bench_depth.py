@@ -51,11 +51,12 @@ def test_ratio_is_localrun_over_the_faster_native_setting():
                      "localrun": [95.0, 97.0, 99.0]})
     assert row["native_fa_off"] == {"median": 85.0, "min": 80.0, "max": 90.0}
     assert row["ratio"] == pytest.approx(97.0 / 98.0) and row["pass"]
+    assert row["paired"] == pytest.approx(99.0 / 98.0)  # rounds: 95/100, 97/96, 99/98
     row = summarize({"native_fa_off": [100.0], "native_fa_on": [None], "localrun": [96.0]})
     assert row["native_fa_on"] is None and row["ratio"] == pytest.approx(0.96) and not row["pass"]
     assert GOAL == 0.97
     row = summarize({"native_fa_off": [100.0], "native_fa_on": [90.0], "localrun": [None]})
-    assert row["ratio"] is None and not row["pass"]
+    assert row["ratio"] is None and row["paired"] is None and not row["pass"]
 
 
 def test_table_shows_medians_ranges_the_choice_and_the_mark():
@@ -65,8 +66,8 @@ def test_table_shows_medians_ranges_the_choice_and_the_mark():
            **summarize({"native_fa_off": [50.0], "native_fa_on": [40.0], "localrun": [None]})}
     lines = format_table([ok, bad]).splitlines()
     assert [c.strip() for c in lines[0].split(" | ")[2:]] == ["native fa-off", "native fa-on", "localrun",
-                                                              "localrun FA", "ratio", ">= 0.97"]
-    assert "85.0 (80.0-90.0)" in lines[2] and "100.0 " in lines[2] and "0.990" in lines[2]
+                                                              "localrun FA", "ratio", "paired", ">= 0.97"]
+    assert "85.0 (80.0-90.0)" in lines[2] and "100.0 " in lines[2] and "0.990 | 0.990" in lines[2]
     assert lines[2].rstrip().endswith("PASS") and lines[3].rstrip().endswith("-")
     assert lines[4] == "ERROR m.gguf t=1: localrun: exit 1: boom"
 

@@ -44,3 +44,26 @@ def test_a_lone_draft_among_streams_is_priced_as_the_pass_it_makes():
     beside = StepShare(4 + 8, 4, (9, 1, 1, 1), 1, neighbour_passes)  # seq 0 drafted 8 already
     assert c.best_length(0.95, 8, share=beside) > 0
     assert MLXBackend.passes([1, 3, 0, 2]) == [1, 3, 2]
+
+
+def test_the_drafts_of_a_shared_step_make_it_at_most_twice_as_dear_for_the_others():
+    """StepShare.widest: a stream that drafts nothing gets one token from the step, so
+    the drafts in it may together make it at most MAX_SLOWDOWN times the plain step's
+    cost; a stream decoding alone has no such bound. Priced at a quarter step a row."""
+    from localrun.backends.base import neighbour_passes
+    from localrun.speculation.proposer import MAX_SLOWDOWN
+
+    assert MAX_SLOWDOWN == 2.0
+    costs = [1.0] + [1.0 + 0.25 * (r - 1) for r in range(1, 80)]
+    assert StepShare().widest(costs, 40) == 40  # alone
+    one_pass = StepShare(rows=4, tokens=4, plain_rows=4)  # c(4) = 1.75: up to c(4 + k) = 3.5
+    assert one_pass.widest(costs, 40) == 7
+    # on llama.cpp a lone draft is a pass of its own: c(4) + c(k) <= 3.5 leaves k <= 4
+    split = StepShare(4, 4, (1, 1, 1, 1), 1, neighbour_passes, 4, (1, 1, 1, 1))
+    assert split.widest(costs, 40) == 4
+    # a neighbour's 4-token draft already in the step: the same length shares its pass
+    # (c(4) + c(8) = 4.5 > 3.5), so nothing more fits
+    after = StepShare(8, 4, (5, 1, 1, 1), 1, neighbour_passes, 4, (1, 1, 1, 1))
+    assert after.widest(costs, 40) == 0
+    c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    assert c.best_length(0.99, 40, share=one_pass) <= 7 < c.best_length(0.99, 40)

@@ -282,6 +282,9 @@ class DraftModelProposer(Proposer):
         cal, greedy = self.model.calibration, self.greedy
         delta = self.model.step_delta(self.cost)
         costs = self.cost.ratios(share.rows + most, 0.25)
+        most = share.widest(costs, most)  # the others' bound (StepShare.widest)
+        if most <= 0:
+            return []
         others = share.tokens - 1
         plain = share.tokens / share.cost(costs, 0)
         catch_up = 0.0

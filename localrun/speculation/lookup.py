@@ -404,6 +404,7 @@ class LookupProposer(Proposer):
         expected, term = 1.0, 1.0
         others = share.tokens - 1
         costs = self.row_costs(available + share.rows)
+        available = share.widest(costs, available)  # the others' bound (StepShare.widest)
         base = share.cost(costs, 0) / share.tokens  # alone: 1.0, and the gain below is expected / costs[k + 1]
         for k in range(1, available + 1):
             term *= rate
