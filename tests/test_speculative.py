@@ -594,30 +594,3 @@ def test_the_engine_prices_each_draft_in_the_step_it_joins():
     assert heard[1].tokens == 2 and heard[1].rows == 2 + 3  # the first one's three drafted rows
     assert heard[1].me == second.seq and heard[1].counts[first.seq] == 1 + 3 and heard[1].counts[second.seq] == 1
     assert heard[1].split == be.passes  # the backend says how its passes go
-
-
-def test_a_draft_never_crowds_another_decoding_stream_out_of_a_tight_step():
-    """A server step while streams decode carries a small token budget (StepBudget): the
-    first stream's draft takes only what the later streams' tokens leave, so every
-    decoding stream advances in every step however long the drafts could be."""
-    be = ScriptedBackend(logits_fn=markov_logits, n_ctx=256, n_seq=4)
-    eng = Engine(be)
-    gens = [eng.start("abcabcab", sampling=GREEDY, max_tokens=40, lookup=False) for _ in range(4)]
-    while not all(g.decoding for g in gens):  # all four read their prompts
-        eng.step(gens)
-
-    class Greedy(_Guesser):  # drafts all the room it is given
-        def draft(self, history, room, share=ALONE):
-            rooms.append(room)
-            at = PATTERN.index(history[-1]) + 1 if history[-1] in PATTERN else 0
-            return [PATTERN[(at + i) % len(PATTERN)] for i in range(room)]
-
-    rooms: list[int] = []
-    for g in gens:
-        g.proposer = Greedy()
-    for _ in range(3):
-        calls = len(be.calls)
-        events = eng.step(gens, budget=8)
-        assert sorted(events) == sorted(g.seq for g in gens)  # nobody waited out the step
-        assert sum(len(e.tokens) for e in be.calls[calls]) == 8  # the drafts filled what was left
-    assert rooms == [4, 4, 4]  # 8 less its own token and the three later streams' (the rest had no room)

@@ -1,13 +1,18 @@
 """A step that several streams share, as the backend runs it: llama.cpp's passes over
-neighbouring sequences (backends.base.neighbour_passes), and lookup priced by them
-(speculation.proposer.StepShare)."""
+neighbouring sequences (backends.base.neighbour_passes), lookup priced by them
+(speculation.proposer.StepShare), and what a draft may take of such a step: the budget
+the other streams leave, and at most MAX_SLOWDOWN of its cost."""
 
 from __future__ import annotations
 
 import pytest
 
+from localrun.engine import Engine
 from localrun.speculation.lookup import LookupConfig, LookupProposer
-from localrun.speculation.proposer import StepShare
+from localrun.speculation.proposer import ALONE, Proposer, StepShare
+
+from fakes import ScriptedBackend
+from test_speculative import GREEDY, PATTERN, markov_logits
 
 
 @pytest.mark.parametrize("counts, passes", [
@@ -67,3 +72,33 @@ def test_the_drafts_of_a_shared_step_make_it_at_most_twice_as_dear_for_the_other
     assert after.widest(costs, 40) == 0
     c = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
     assert c.best_length(0.99, 40, share=one_pass) <= 7 < c.best_length(0.99, 40)
+
+
+def test_a_draft_never_crowds_another_decoding_stream_out_of_a_tight_step():
+    """A server step while streams decode carries a small token budget (StepBudget): the
+    first stream's draft takes only what the later streams' tokens leave, so every
+    decoding stream advances in every step however long the drafts could be."""
+    be = ScriptedBackend(logits_fn=markov_logits, n_ctx=256, n_seq=4)
+    eng = Engine(be)
+    gens = [eng.start("abcabcab", sampling=GREEDY, max_tokens=40, lookup=False) for _ in range(4)]
+    while not all(g.decoding for g in gens):  # all four read their prompts
+        eng.step(gens)
+
+    class Greedy(Proposer):  # drafts all the room it is given, the pattern's likeliest path
+        def draft(self, history, room, share=ALONE):
+            rooms.append(room)
+            at = PATTERN.index(history[-1]) + 1 if history[-1] in PATTERN else 0
+            return [PATTERN[(at + i) % len(PATTERN)] for i in range(room)]
+
+        def record(self, judged, accepted):
+            pass  # nothing to learn: it always drafts the same way
+
+    rooms: list[int] = []
+    for g in gens:
+        g.proposer = Greedy()
+    for _ in range(3):
+        calls = len(be.calls)
+        events = eng.step(gens, budget=8)
+        assert sorted(events) == sorted(g.seq for g in gens)  # nobody waited out the step
+        assert sum(len(e.tokens) for e in be.calls[calls]) == 8  # the drafts filled what was left
+    assert rooms == [4, 4, 4]  # 8 less its own token and the three later streams' (the rest had no room)
