@@ -91,9 +91,10 @@ def test_a_draft_never_crowds_another_decoding_stream_out_of_a_tight_step():
             return [PATTERN[(at + i) % len(PATTERN)] for i in range(room)]
 
         def record(self, judged, accepted):
-            pass  # nothing to learn: it always drafts the same way
+            verdicts.append((judged, accepted))
 
     rooms: list[int] = []
+    verdicts: list[tuple[int, int]] = []
     for g in gens:
         g.proposer = Greedy()
     for _ in range(3):
@@ -102,3 +103,5 @@ def test_a_draft_never_crowds_another_decoding_stream_out_of_a_tight_step():
         assert sorted(events) == sorted(g.seq for g in gens)  # nobody waited out the step
         assert sum(len(e.tokens) for e in be.calls[calls]) == 8  # the drafts filled what was left
     assert rooms == [4, 4, 4]  # 8 less its own token and the three later streams' (the rest had no room)
+    drafted = [(j, a) for j, a in verdicts if j]  # the streams with no room heard (0, 0)
+    assert [j for j, _ in drafted] == [4, 4, 4] and all(a > 0 for _, a in drafted)  # judged whole, partly kept
