@@ -398,9 +398,8 @@ class Engine:
                 break
             later -= g.decoding
             try:
-                share = (StepShare(rows=max(rows, 1), tokens=max(decoding, 1), plain_rows=plain_rows) if counts is None
-                         else StepShare(max(rows, 1), max(decoding, 1), tuple(counts), g.seq, self.backend.passes,
-                                        plain_rows, plain_counts))
+                share = StepShare(max(rows, 1), max(decoding, 1), tuple(counts or ()), g.seq, self.backend.passes,
+                                  plain_rows, plain_counts)
                 # A draft takes only the budget the later decoders leave: one that took it
                 # all left them out of the step (4 server streams under a 16-token budget
                 # made steps of two streams' drafts while the other two waited a whole step).
