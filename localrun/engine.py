@@ -392,22 +392,34 @@ class Engine:
         rows = min(budget, decoding + sum(len(g.pending) for g in live if not g.decoding))
         counts = slots.step_counts(live, budget, self.backend.n_seq) if len(live) > 1 else None
         plain_rows, plain_counts = max(rows, 1), tuple(counts or ())  # the step before any draft
+        together = None  # several decoding streams: their drafts are chosen together (shared_step.py)
+        if decoding > 1:
+            share = StepShare(plain_rows, decoding, plain_counts, -1, self.backend.passes, plain_rows, plain_counts)
+            gens = [g for g in live if g.decoding and g.max_tokens]
+            together = self.speculator.draft_together(gens, budget - plain_rows, self.n_ctx, share)
+            for g, exc in together[1] if together else ():
+                self._fail(g, exc)
         later = decoding  # decoding generations not planned yet: each keeps its token in the step
         for g in live:
             if budget <= 0:
                 break
             later -= g.decoding
-            try:
-                share = StepShare(max(rows, 1), max(decoding, 1), tuple(counts or ()), g.seq, self.backend.passes,
-                                  plain_rows, plain_counts)
-                # A draft takes only the budget the later decoders leave: one that took it
-                # all left them out of the step (4 server streams under a 16-token budget
-                # made steps of two streams' drafts while the other two waited a whole step).
-                room = budget - 1 - later
-                draft = self.speculator.draft(g, room, self.n_ctx, share) if g.decoding and g.max_tokens else []
-            except Exception as exc:  # its proposer's draft: it ends alone, not in the step
-                self._fail(g, exc)
-                continue
+            if together is not None and g.decoding:
+                if g.done:  # its proposer failed above
+                    continue
+                draft = together[0].get(g.seq, [])[: max(0, budget - 1 - later)]
+            else:
+                try:
+                    share = StepShare(max(rows, 1), max(decoding, 1), tuple(counts or ()), g.seq,
+                                      self.backend.passes, plain_rows, plain_counts)
+                    # A draft takes only the budget the later decoders leave: one that took it
+                    # all left them out of the step (4 server streams under a 16-token budget
+                    # made steps of two streams' drafts while the other two waited a whole step).
+                    room = budget - 1 - later
+                    draft = self.speculator.draft(g, room, self.n_ctx, share) if g.decoding and g.max_tokens else []
+                except Exception as exc:  # its proposer's draft: it ends alone, not in the step
+                    self._fail(g, exc)
+                    continue
             rows += len(draft)  # the next generation's draft joins a step this much wider
             if counts is not None:
                 counts[g.seq] += len(draft)

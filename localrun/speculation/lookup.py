@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 
 from .edits import MAX_EDITS, LearnedEdits
-from .proposer import ALONE, Proposer, StepShare
+from .proposer import ALONE, Offer, Offering, StepShare
 from .step_cost import StepCost
 
 if TYPE_CHECKING:
@@ -283,7 +283,7 @@ class Acceptance:
             self.prior.judged(slot, drafted, accepted)
 
 
-class LookupProposer(Proposer):
+class LookupProposer(Offering):
     """One generation's drafting: acceptance per match-length band, and the length that
     pays most given the model's step cost."""
 
@@ -310,6 +310,7 @@ class LookupProposer(Proposer):
         self._flight: tuple[int, list] | None = None  # the draft in flight: history length, origins
         self._after: tuple[int, int] | None = None  # (answer, source) index of the token after a kept draft
         self._shadow: tuple[int, int, list[int]] | None = None  # slot, history length, tokens
+        self._offered: tuple[int, list[int], list, int] | None = None  # history length, tokens, origins, slot
 
     def rate(self, slot: int) -> float:
         return self.acceptance.rate(slot)
@@ -327,9 +328,39 @@ class LookupProposer(Proposer):
     def draft(self, history: list[int], room: int, share: StepShare = ALONE) -> list[int]:
         """The tokens to verify after the pending one ([] for a plain step), priced in the
         step they would join (`share`)."""
+        found = self._candidate(history, room)
+        if found is None:
+            return []
+        candidate, slot, repeat_of = found
+        return self.take(self.best_length(self.rate(slot), len(candidate), repeat_of=repeat_of, share=share))
+
+    def offer(self, history: list[int], room: int) -> Offer | None:
+        found = self._candidate(history, room)
+        if found is None:
+            return None
+        candidate, slot, repeat_of = found
+        expected = self.expected_tokens(self.rate(slot), len(candidate), repeat_of)
+        return Offer(candidate, expected, self.cfg.min_gain, self.row_costs)
+
+    def take(self, k: int) -> list[int]:
+        start, candidate, origins, slot = self._offered
+        self._offered = None
+        if k == 0:
+            if self._shadow is None:
+                self._shadow = (slot, start, candidate[:SHADOW_TOKENS])
+            return []
+        self._shadow = None  # a real verdict comes now, over the same tokens
+        self.slot = slot
+        self._flight = (start, origins[:k])
+        return candidate[:k]
+
+    def _candidate(self, history: list[int], room: int) -> tuple[list[int], int, int | None] | None:
+        """What the context offers to copy next, up to `room` tokens (kept for `take`):
+        the tokens, their acceptance slot and, for a phrase of the answer's own, its match
+        length; None when there is nothing to draft."""
         self.match, self.priced = 0, -1
         if not self.cfg.enabled or room <= 0:
-            return []
+            return None
         self._judge_shadow(history)
         resumed = None  # the source index the answer's last token copied, where known
         if self._after is not None:
@@ -344,7 +375,7 @@ class LookupProposer(Proposer):
         end, match = self.index.locate(history, self.edits, also=resumed)
         self.match = match
         if match < self.cfg.min_match:
-            return []
+            return None
         period = len(history) - 1 - end  # how far back the match ends
         # past the history's end the draft goes on around the loop, once the tail has
         # shown it three times over (one repeat says little: a line that recurs once)
@@ -362,18 +393,11 @@ class LookupProposer(Proposer):
         if not self.control.isdisjoint(candidate):
             candidate = list(takewhile(lambda t: t not in self.control, candidate))
         if not candidate:
-            return []
+            return None
         repeat = self.answer_start is not None and end >= self.answer_start and not loop
         slot = self.priced = _slot(match, repeat)
-        k = self.best_length(self.rate(slot), len(candidate), repeat_of=match if repeat else None, share=share)
-        if k == 0:
-            if self._shadow is None:
-                self._shadow = (slot, len(history), candidate[:SHADOW_TOKENS])
-            return []
-        self._shadow = None  # a real verdict comes now, over the same tokens
-        self.slot = slot
-        self._flight = (len(history), origins[:k])
-        return candidate[:k]
+        self._offered = (len(history), candidate, origins, slot)
+        return candidate, slot, match if repeat else None
 
     def _judge_shadow(self, history: list[int]) -> None:
         """Judge the shadow draft once the tokens produced since it decide it."""
@@ -401,17 +425,13 @@ class LookupProposer(Proposer):
         may not pay in a step that four streams share."""
         best_k, best_gain = 0, self.cfg.min_gain
         gains = [0.0]
-        expected, term = 1.0, 1.0
         others = share.tokens - 1
         costs = self.row_costs(available + share.rows)
         available = share.widest(costs, available)  # the others' bound (StepShare.widest)
         base = share.cost(costs, 0) / share.tokens  # alone: 1.0, and the gain below is expected / costs[k + 1]
+        expected = self.expected_tokens(rate, available, repeat_of)
         for k in range(1, available + 1):
-            term *= rate
-            # the tokens a k-draft step yields on average: 1 + rate + ... + rate**k, each
-            # term scaled by the phrase-repeat odds when it continues the answer's own text
-            expected += term if repeat_of is None else term * repeat_of / (repeat_of + k)
-            gain = (others + expected) * base / share.cost(costs, k)
+            gain = (others + expected[k]) * base / share.cost(costs, k)
             gains.append(gain)
             if gain > best_gain:
                 best_k, best_gain = k, gain
@@ -419,6 +439,18 @@ class LookupProposer(Proposer):
             enough = max(NEAR_BEST * best_gain, self.cfg.min_gain)
             best_k = next(k for k in range(1, best_k + 1) if gains[k] >= enough)
         return best_k
+
+    @staticmethod
+    def expected_tokens(rate: float, available: int, repeat_of: int | None = None) -> list[float]:
+        """The tokens a step yields on average with k drafted, for k in 0..available:
+        1 + rate + ... + rate**k, each term scaled by the phrase-repeat odds when the draft
+        continues the answer's own text (`repeat_of`, see best_length)."""
+        expected, term, total = [1.0], 1.0, 1.0
+        for k in range(1, available + 1):
+            term *= rate
+            total += term if repeat_of is None else term * repeat_of / (repeat_of + k)
+            expected.append(total)
+        return expected
 
     def record(self, drafted: int, accepted: int) -> None:
         """The verdict on the draft in flight."""

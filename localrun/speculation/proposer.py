@@ -64,10 +64,15 @@ class StepShare:
     def cost(self, costs: Sequence[float], k: int) -> float:
         """C(k), in one-row steps: costs[r] is one pass of r rows (costs[0] = costs[1] = 1);
         it must reach rows + k."""
+        return self.cost_with(costs, {self.me: k})
+
+    def cost_with(self, costs: Sequence[float], drafts: dict[int, int]) -> float:
+        """The step's cost with `drafts` (tokens drafted, by slot id) added to it."""
         if self.split is None or not self.counts:
-            return costs[self.rows + k]
+            return costs[self.rows + sum(drafts.values())]
         counts = list(self.counts)
-        counts[self.me] += k
+        for seq, k in drafts.items():
+            counts[seq] += k
         return sum(costs[r] for r in self.split(counts))
 
     def widest(self, costs: Sequence[float], most: int) -> int:
@@ -97,6 +102,18 @@ MAX_SLOWDOWN = 2.0
 ALONE = StepShare()
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What a proposer would draft, before it is priced: a step that several decoding
+    streams share is priced as a whole (shared_step.py), since on llama.cpp one stream's
+    draft is cheap only beside its neighbours' drafts of the same length."""
+
+    tokens: list[int]
+    expected: list[float]  # expected[k]: the tokens a step yields with the first k drafted (expected[0] = 1)
+    min_gain: float  # the least expected gain the proposer drafts for
+    costs: Callable[[int], list[float]]  # the model's row prices up to a number of rows
+
+
 class Proposer(ABC):
     @abstractmethod
     def draft(self, history: list[int], room: int, share: StepShare = ALONE) -> list[int]:
@@ -113,6 +130,22 @@ class Proposer(ABC):
         holds beyond Python objects. It may be called more than once, and `record` may
         still follow (the verdict on the step that ended the generation). Prompt lookup
         holds nothing of the kind."""
+
+
+class Offering(Proposer):
+    """A proposer whose drafts cost it nothing to make (prompt lookup): in a step several
+    decoding streams share it offers its draft unpriced, and the step's drafts are chosen
+    together (shared_step.py). A draft model prices its own decode steps, so it drafts
+    through `draft` alone."""
+
+    @abstractmethod
+    def offer(self, history: list[int], room: int) -> Offer | None:
+        """What it would draft, up to `room` tokens, unpriced (None: nothing to draft);
+        `take` then says how many of them the step verifies."""
+
+    @abstractmethod
+    def take(self, k: int) -> list[int]:
+        """The first k tokens of the last offer, for this step (0: a plain step)."""
 
 
 class FirstOf(Proposer):

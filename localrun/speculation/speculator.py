@@ -38,7 +38,8 @@ from . import drift_cache
 from .drift import margin_change
 from .lookup import Acceptance, LookupConfig, LookupProposer
 from .draft_model import DraftModel
-from .proposer import ALONE, FirstOf, StepShare
+from .proposer import ALONE, FirstOf, Offering, StepShare
+from .shared_step import choose
 from .step_cost import StepCost
 
 # produce(generation, row, now, lead) -> the event of the token chosen from `row`, or None
@@ -94,6 +95,31 @@ class Speculator:
             return []
         k = min(room, g.tokens_left - 1, n_ctx - len(g.history) - 1)
         return g.proposer.draft(g.history, k, share) if k > 0 else []
+
+    def draft_together(self, gens, room: int, n_ctx: int, share: StepShare):
+        """The drafts of a step several decoding generations share, chosen together
+        (shared_step.py): {slot id: draft} for each of `gens`, and the (generation,
+        exception) of any whose proposer raised. None when one of them drafts through a
+        proposer that does not offer (a draft model): each is then asked in turn (`draft`)."""
+        if any(g.proposer is not None and not isinstance(g.proposer, Offering) for g in gens):
+            return None
+        drafts, failed, offers, offered = {g.seq: [] for g in gens}, [], {}, {}
+        for g in gens:
+            if not g.may_draft():
+                continue
+            k = min(room, g.tokens_left - 1, n_ctx - len(g.history) - 1)
+            if k <= 0:
+                continue
+            try:
+                offer = g.proposer.offer(g.history, k)
+            except Exception as exc:  # that generation ends alone (the engine's _fail)
+                failed.append((g, exc))
+                continue
+            if offer is not None:
+                offers[g.seq], offered[g.seq] = offer, g
+        for seq, k in choose(offers, share, room).items():
+            drafts[seq] = offered[seq].proposer.take(k)
+        return drafts, failed
 
     # -- observe ------------------------------------------------------------------------
 

@@ -1,0 +1,95 @@
+"""The drafts of a step several decoding streams share, chosen together
+(speculation.shared_step): on llama.cpp's passes over neighbouring sequences a lone
+draft is a pass of its own and never pays, while neighbours drafting the same length
+share one pass; the streams that gain least are not slowed past MAX_SLOWDOWN; the
+engine's shared steps carry those drafts and still give lookup-off's output."""
+
+from __future__ import annotations
+
+from localrun.backends.base import neighbour_passes
+from localrun.engine import Engine
+from localrun.speculation.lookup import LookupConfig, LookupProposer
+from localrun.speculation.proposer import MAX_SLOWDOWN, Offer, StepShare
+from localrun.speculation.shared_step import choose
+
+from fakes import ScriptedBackend
+from test_speculative import GREEDY, markov_logits
+
+QUARTER = [1.0] + [1.0 + 0.25 * (r - 1) for r in range(1, 200)]  # a row costs a quarter step
+
+
+def offer(rate: float, n: int = 12) -> Offer:
+    return Offer(list(range(n)), LookupProposer.expected_tokens(rate, n), 1.05, lambda most: QUARTER[: most + 1])
+
+
+def plain_share(counts: tuple[int, ...], split=neighbour_passes) -> StepShare:
+    decoding = sum(1 for n in counts if n == 1)
+    return StepShare(sum(counts), decoding, counts, -1, split, sum(counts), counts)
+
+
+def test_neighbours_that_all_copy_draft_together_where_each_alone_would_not():
+    """Two streams, both 95% sure of their next tokens: asked in turn, each sees its draft
+    as a pass of its own and drafts nothing; chosen together, both draft one length and
+    share one pass, which pays."""
+    share = plain_share((1, 1))
+    alone = LookupProposer(LookupConfig(measure_cost=False, cost_per_draft=0.25))
+    assert alone.best_length(0.95, 12, share=StepShare(2, 2, (1, 1), 0, neighbour_passes, 2, (1, 1))) == 0
+    lengths = choose({0: offer(0.95), 1: offer(0.95)}, share, room=30)
+    assert lengths[0] == lengths[1] > 0
+    assert neighbour_passes([1 + lengths[0], 1 + lengths[1]]) == [2 + 2 * lengths[0]]  # one pass
+    cost = share.cost_with(QUARTER, lengths)
+    assert cost <= MAX_SLOWDOWN * offer(0.95).expected[lengths[0]] * share.cost_with(QUARTER, {})
+
+
+def test_streams_with_nothing_to_copy_bound_what_the_drafts_cost():
+    """Four streams in one pass, two of them copying: the copiers draft, but the step
+    stays within MAX_SLOWDOWN of its plain cost, since the other two get one token from
+    it (here the bound is what stops them: a longer draft would pay more). On
+    llama.cpp's split the copiers' drafts would need a pass of their own, which does
+    not pay: nothing is drafted."""
+    assert choose({0: offer(0.95), 1: offer(0.95)}, plain_share((1, 1, 1, 1)), room=30) == {0: 0, 1: 0}
+    share = plain_share((1, 1, 1, 1), split=None)
+    lengths = choose({0: offer(0.95), 1: offer(0.95)}, share, room=30)
+    assert lengths[0] == lengths[1] > 0
+    assert share.cost_with(QUARTER, lengths) <= MAX_SLOWDOWN * share.cost_with(QUARTER, {})
+    unbounded = {0: lengths[0] + 1, 1: lengths[1] + 1}
+    assert share.cost_with(QUARTER, unbounded) > MAX_SLOWDOWN * share.cost_with(QUARTER, {})
+    tokens = [4 + 2 * (offer(0.95).expected[k] - 1) for k in (lengths[0], unbounded[0])]
+    assert tokens[1] / share.cost_with(QUARTER, unbounded) > tokens[0] / share.cost_with(QUARTER, lengths)
+
+
+def test_a_stream_whose_offer_would_drag_the_step_drafts_nothing():
+    """In one pass (split=None), a stream unlikely to keep its draft only adds rows: it
+    plans a plain step while its likely neighbour drafts."""
+    share = StepShare(2, 2, (1, 1), -1, None, 2, (1, 1))
+    lengths = choose({0: offer(0.95), 1: offer(0.05)}, share, room=30)
+    assert lengths[0] > 0 and lengths[1] == 0
+
+
+def test_drafts_that_do_not_pay_and_drafts_past_the_room_are_not_taken():
+    share = plain_share((1, 1))
+    assert choose({0: offer(0.2), 1: offer(0.2)}, share, room=30) == {0: 0, 1: 0}
+    lengths = choose({0: offer(0.99, 40), 1: offer(0.99, 40)}, share, room=6)
+    assert sum(lengths.values()) <= 6 and min(lengths.values()) > 0
+    assert choose({}, share, room=6) == {}
+
+
+def test_two_copying_streams_draft_in_the_same_step_and_keep_lookup_offs_output():
+    """The engine: two greedy generations that copy, on a backend that batches
+    neighbours only, both carry drafts in one step, and each answer is the one it gives
+    with lookup off."""
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.25)
+    prompts = ["abcabcabcab", "bcabcabcabca"]
+    solo = []
+    for p in prompts:
+        eng = Engine(ScriptedBackend(logits_fn=markov_logits, n_ctx=256, n_seq=2, batches_neighbours_only=True))
+        solo.append(eng.complete(p, sampling=GREEDY, max_tokens=40, lookup=False).tokens)
+    be = ScriptedBackend(logits_fn=markov_logits, n_ctx=256, n_seq=2, batches_neighbours_only=True)
+    eng = Engine(be)
+    gens = [eng.start(p, sampling=GREEDY, max_tokens=40, lookup=cfg) for p in prompts]
+    while not all(g.done for g in gens):
+        eng.step([g for g in gens if not g.done])
+    assert [g.output for g in gens] == solo
+    both = [call for call in be.calls if len(call) == 2 and all(len(e.tokens) > 1 and e.n_logits > 1 for e in call)]
+    assert both, "no step carried both streams' drafts"
+    assert any(len(call[0].tokens) == len(call[1].tokens) for call in both)  # one pass: the same length
