@@ -3,7 +3,8 @@ measures, verified exactly, so that the output is the one decoding without them 
 
 - `speculator`: the per-model `Speculator` the engine's step goes through (plan -> draft
   -> verify -> observe): step costs, acceptance, batch drift, turn marks, verification.
-- `proposer`: the `Proposer` seam, where a generation's drafts come from.
+- `proposer`: the `Proposer` seam, where a generation's drafts come from;
+  `shared_step`: the drafts of a step several decoding streams share, chosen together.
 - `lookup`: prompt lookup, the first proposer (`LookupProposer`, `LookupConfig`, the
   n-gram index and the acceptance per match length); `edits`: the edits it learns.
 - `step_cost`: what a step of r rows costs here; `drift`: how far a wide step's rows
