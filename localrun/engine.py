@@ -31,6 +31,7 @@ from . import slots
 from .errors import BadRequestError, CacheNotTrimmableError, ContextExceededError
 from .generation import Completion, Event, Generation, GenerationFailed, Timings, failed_stage, step_failure
 from .grammar.json_budget import CLOSING_RESERVE, BudgetTokens, budget_tokens, inside_string, narrow
+from .grammar.head import constrained_row
 from .grammar.matcher import GrammarMatcher
 from .grammar.redraw import draw_allowed, redraws
 from .grammar.tokenizer import build_tokenizer
@@ -491,39 +492,17 @@ class Engine:
         return self._budget_tokens
 
     def _constrain(self, g: Generation, row):
-        """The row the sampler may draw from under the grammar. The full mask costs up to
-        ~15 ms on a 262k vocabulary (free text inside a JSON string), so where the chain
-        only needs the best few allowed ids (greedy, or top-k first) those are found by
-        checking the ranked head one id at a time (~1 us each): the row comes back as is
-        when the head's best ids are all allowed, else with only the needed ids kept.
-        The full mask runs when the head holds too few allowed ids, or when per-token
-        probabilities over every allowed token are asked for (n_probs)."""
-        m, s = g.matcher, g.sampler
-        if g.closes_json and g.tokens_left <= CLOSING_RESERVE:  # see json_budget
+        """The row the sampler may draw from under the grammar (grammar.head), narrowed to
+        what closes the JSON in time where max_tokens is near (grammar.json_budget)."""
+        if g.closes_json and g.tokens_left <= CLOSING_RESERVE:
             pieces = self.token_text.pieces()
             inside = inside_string(b"".join(pieces[t] for t in g.output))
-            narrowed = narrow(row, m.allowed_mask(), self.budget_tokens().preferred(inside))
+            narrowed = narrow(row, g.matcher.allowed_mask(), self.budget_tokens().preferred(inside))
             if narrowed is not None:
                 row, left_out = narrowed
                 g.cut_by_budget |= left_out
                 return row
-        head = None if s.params.n_probs else s.grammar_head(row, g.history)
-        if head is None:
-            return m.apply(row)
-        ranked, need = head
-        keep = []
-        for t in ranked.tolist():
-            if m.allows(t):
-                keep.append(t)
-                if len(keep) == need:
-                    break
-        if len(keep) < need:
-            return m.apply(row)
-        if keep == ranked[:need].tolist():
-            return row
-        out = np.full(row.shape[0], -np.inf, np.float32)
-        out[keep] = row[keep]
-        return out
+        return constrained_row(g.matcher, g.sampler, row, g.history)
 
     def _accept(self, g: Generation, token: int, now: float) -> Event:
         if not g.took(token, now):
