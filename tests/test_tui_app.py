@@ -164,10 +164,16 @@ async def test_send_streams_answer_saves_and_keeps_multiline(tui_env, monkeypatc
         assert len(saved) == 1 and saved[0].n_messages == 2 and saved[0].title == "Count from 1 to 30."
 
 
-async def test_escape_stops_mid_answer_and_ui_stays_responsive(tui_env):
+async def test_escape_stops_mid_answer_and_ui_stays_responsive(tui_env, monkeypatch):
     app = make_app(SMOL_NAME, "--max-tokens", "400", "--temperature", "0.8", "--seed", "7")
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
+        # A machine fast enough wrote all 400 tokens (~2.6 s at 150 tok/s) before the key
+        # presses below arrived, and there was no answer left to stop: each decode waits
+        # 20 ms more here, so the answer outlasts them however fast the model runs.
+        backend = app.session.engine.backend
+        decode = backend.decode
+        monkeypatch.setattr(backend, "decode", lambda batch: (time.sleep(0.02), decode(batch))[1])
         await send(pilot, "Write a long story about a brave knight and a dragon.")
         await wait_for(pilot, lambda: (app.status.values.timings or 0) and app.status.values.timings.generated_tokens >= 4,
                        what="a few tokens")
