@@ -60,8 +60,8 @@ def choose(offers: dict[int, Offer], share: StepShare, room: int) -> dict[int, i
     if gains[best] < min_gain:
         return capped[0]
     enough = max(NEAR_BEST * gains[best], min_gain)
-    lengths = capped[next(cap for cap in range(1, best + 1) if gains[cap] >= enough)]
-    best_gain = gain(lengths)
+    cap = next(cap for cap in range(1, best + 1) if gains[cap] >= enough)
+    lengths, best_gain = capped[cap], gains[cap]
     for seq in offers:  # a stream whose draft the step is better without plans a plain step
         if lengths[seq]:
             without = gain({**lengths, seq: 0})
