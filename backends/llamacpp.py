@@ -197,7 +197,7 @@ class LlamaCppBackend:
         machine measured for the model before, else attends without flash attention."""
         if cluster is not None:
             known = attention_timing.recall(path, self.kv_cache_type, threads)
-            return known.winner if known else "off"
+            return known.winner(self.n_seq) if known else "off"
 
         def time_both(counts: list[int]) -> list[attention_timing.AttentionTiming]:
             def make_context(setting: str, n_ctx: int, n_batch: int, t: int):
@@ -210,7 +210,7 @@ class LlamaCppBackend:
                                                             time_both)
         except RuntimeError as e:  # llama.cpp refused a timing context
             _log.info("could not time flash attention (%s): attending without it", e)
-        return self.attention_timing.winner if self.attention_timing else "off"  # untimed: the old rule
+        return self.attention_timing.winner(self.n_seq) if self.attention_timing else "off"  # untimed: the old rule
 
     # -- devices (llama.cpp RPC workers) ------------------------------------------
 

@@ -139,7 +139,8 @@ def print_attention(backend) -> None:
     if choice is None:  # MLX: one kernel
         return
     timing = getattr(backend, "attention_timing", None)
-    print(f"attention:            {timing.explain() if timing else f'flash attention {choice}'}", file=sys.stderr)
+    said = timing.explain(getattr(backend, "n_seq", 1)) if timing else f"flash attention {choice}"
+    print(f"attention:            {said}", file=sys.stderr)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

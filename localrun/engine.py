@@ -58,6 +58,7 @@ class _Feed:
     gen: Generation
     entry: BatchEntry
     draft: list[int]
+    filled: bool = False  # the draft is filler, not a proposal (speculation/shared_step.py)
 
 
 class Engine:
@@ -364,7 +365,7 @@ class Engine:
                         g.prompt_read(now)
                         events[g.seq] = self._finish(g, "length")
                     continue
-                ev = self._verify(g, f.draft, r, now) if f.draft else self._plain_step(g, f.entry, r, now)
+                ev = self._verify(g, f.draft, r, now, f.filled) if f.draft else self._plain_step(g, f.entry, r, now)
             except Exception as exc:  # its own grammar, sampler or stop strings: it ends alone
                 self._fail(g, exc)
                 continue
@@ -398,7 +399,7 @@ class Engine:
             share = StepShare(plain_rows, decoding, plain_counts, -1, self.backend.passes, plain_rows, plain_counts)
             gens = [g for g in live if g.decoding and g.max_tokens]
             together = self.speculator.draft_together(gens, budget - plain_rows, self.n_ctx, share)
-            for g, exc in together[1] if together else ():
+            for g, exc in together[2] if together else ():
                 self._fail(g, exc)
         later = decoding  # decoding generations not planned yet: each keeps its token in the step
         for g in live:
@@ -434,7 +435,8 @@ class Engine:
             last = len(chunk) == len(g.pending) + len(draft)
             # max_tokens 0 reads the prompt into the slot and stops: no logits needed
             wants = 1 + len(draft) if last and g.max_tokens else 0
-            feeds.append(_Feed(g, BatchEntry(g.seq, chunk, g.n_cached, wants), draft))
+            filled = together is not None and g.seq in together[1]
+            feeds.append(_Feed(g, BatchEntry(g.seq, chunk, g.n_cached, wants), draft, filled))
             budget -= len(chunk)
         return feeds
 
@@ -445,10 +447,10 @@ class Engine:
         g.stepped(0, 0, 0)
         return event
 
-    def _verify(self, g: Generation, draft: list[int], rows, now: float) -> Event | None:
+    def _verify(self, g: Generation, draft: list[int], rows, now: float, filled: bool = False) -> Event | None:
         """A speculative step's rows as one event (None when no token came out): the
-        speculator verifies them with this engine's own token choice."""
-        events = self.speculator.verify(g, draft, rows, now, self._produce)
+        speculator verifies them with this engine's own token choice (`filled`: filler)."""
+        events = self.speculator.verify(g, draft, rows, now, self._produce, filled)
         return Event.joined(events) if events else None
 
     def _produce(self, g: Generation, raw_row, now: float, lead: float | None = None) -> Event | None:

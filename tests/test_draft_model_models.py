@@ -11,7 +11,6 @@ import dataclasses
 import threading
 
 from localrun.backends.attention import FLASH_ATTN_ENV
-from localrun.cluster import rpc
 from localrun.engine import Engine
 from localrun.sampling import SamplingParams
 from localrun.speculation.draft_model import MIN_GAIN, DraftModel, DraftModelProposer
@@ -31,8 +30,9 @@ def test_real_pair_declines_at_measured_prices_and_keeps_the_targets_tokens(qwen
     At the prices measured at load (a 2-row step ~1.4-2.1 one-row steps here, a draft step
     ~0.5), a first draft token cannot pay: the draft model must not draft, nor even read the
     prompt. Whether it declines follows those measured prices, which the test reads at
-    each step: it asserts the decision matches them (and that they declined at least
-    once), not that this machine's timings always come out the same.
+    each step: it asserts the decision matches them, not that this machine's timings
+    always come out the same (they usually decline; where they all did, nothing was
+    decoded by the draft model at all).
 
     At prices forced to pay it drafts and keeps most drafts; under the exact_greedy guard
     every answer is the target's own token for token; without the guard at least one is
@@ -65,8 +65,9 @@ def test_real_pair_declines_at_measured_prices_and_keeps_the_targets_tokens(qwen
         assert seen
         for gain, out in seen:
             assert out == [] or gain >= MIN_GAIN  # never a draft its own prices say will not pay
-        if not rpc.local_gpus():  # a CPU's wide steps are dear: its prices declined (a GPU's may not)
-            assert any(gain < MIN_GAIN for gain, _ in seen)
+        # Whether they declined is the machine's timing of the moment, not behaviour: on
+        # this noisy 2-core host 1 run in 4 measured prices at which every step paid (at
+        # f0dacec and 18c9782 alike), so the test holds the decision to the prices only.
         if all(gain < MIN_GAIN for gain, _ in seen):
             assert measured.timings.drafted == 0 and decodes == []  # not even the prompt was read
 

@@ -1,18 +1,21 @@
 """The drafts of a step several decoding streams share, chosen together
 (speculation.shared_step): on llama.cpp's passes over neighbouring sequences a lone
 draft is a pass of its own and never pays, while neighbours drafting the same length
-share one pass; the streams that gain least are not slowed past MAX_SLOWDOWN; the
+share one pass; a stream with nothing to copy between copying ones carries filler so
+they still share one; the streams that gain least are not slowed past MAX_SLOWDOWN; the
 engine's shared steps carry those drafts and still give lookup-off's output."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from localrun.backends.base import neighbour_passes
 from localrun.engine import Engine
 from localrun.speculation.lookup import LookupConfig, LookupProposer
 from localrun.speculation.proposer import MAX_SLOWDOWN, Offer, StepShare
-from localrun.speculation.shared_step import choose
+from localrun.speculation.shared_step import choose, filler
 
-from fakes import ScriptedBackend
+from fakes import N_VOCAB, ScriptedBackend
 from test_speculative import GREEDY, markov_logits
 
 QUARTER = [1.0] + [1.0 + 0.25 * (r - 1) for r in range(1, 200)]  # a row costs a quarter step
@@ -93,3 +96,69 @@ def test_two_copying_streams_draft_in_the_same_step_and_keep_lookup_offs_output(
     both = [call for call in be.calls if len(call) == 2 and all(len(e.tokens) > 1 and e.n_logits > 1 for e in call)]
     assert both, "no step carried both streams' drafts"
     assert any(len(call[0].tokens) == len(call[1].tokens) for call in both)  # one pass: the same length
+
+
+def test_a_stream_with_nothing_to_copy_carries_filler_so_its_copying_neighbours_share_one_pass():
+    """Slots 0, 2 and 3 copy, slot 1 has no match: on llama.cpp's split their drafts
+    would make passes of their own around slot 1's one token (too dear, nothing drafts);
+    with slot 1 carrying as many rows of filler the step is one pass, and all four carry
+    the same length."""
+    share = plain_share((1, 1, 1, 1))
+    offers = {0: offer(0.99), 2: offer(0.99), 3: offer(0.99)}
+    assert choose(offers, share, room=30) == {0: 0, 2: 0, 3: 0}
+    lengths = choose(offers, share, room=30, fillable={1: 12})
+    assert set(lengths) == {0, 1, 2, 3} and len(set(lengths.values())) == 1 and lengths[1] > 0
+    counts = [1 + lengths[s] for s in range(4)]
+    assert len(neighbour_passes(counts)) == 1
+    assert share.cost_with(QUARTER, lengths) <= MAX_SLOWDOWN * share.cost_with(QUARTER, {})
+
+
+def test_filler_is_never_carried_where_it_cannot_merge_passes():
+    """Where every sequence is its own pass (MLX) or the step is one pass whatever its
+    counts, filler only adds rows: the copiers draft without it."""
+    mlx_split = lambda counts: [n for n in counts if n]  # noqa: E731 - MlxBackend.passes
+    for split in (mlx_split, None):
+        share = plain_share((1, 1, 1, 1), split=split)
+        lengths = choose({0: offer(0.99), 2: offer(0.99), 3: offer(0.99)}, share, room=30, fillable={1: 12})
+        assert lengths.get(1, 0) == 0 and lengths[0] > 0
+
+
+def test_filler_guesses_what_followed_the_last_token_before():
+    assert filler([5, 6, 7, 9, 5], 3) == [6, 7, 9]
+    assert filler([5, 6, 5], 4) == [6, 5, 5, 5]  # the history ends: the last token again
+    assert filler([1, 2, 3], 2) == [3, 3]  # never seen before
+
+
+def never_repeats_after_z(hist: list[int]) -> np.ndarray:
+    """After a prompt starting with "z", a token sequence with no pair twice in 200
+    tokens (nothing for prompt lookup to copy); the Markov pattern otherwise."""
+    if hist[0] != ord("z"):
+        return markov_logits(hist)
+    row = np.full(N_VOCAB, -30.0, np.float32)
+    row[32 + (len(hist) * 37) % 200] = 3.0
+    return row
+
+
+def test_a_stream_that_cannot_copy_carries_filler_between_copiers_and_keeps_lookup_offs_output():
+    """The engine: four greedy generations, the one in slot 1 with nothing to copy, on a
+    backend that batches neighbours only. Steps carry the copiers' drafts in one pass
+    with filler in slot 1; every answer is the one it gives with lookup off, and the
+    filler counts as no draft of slot 1's."""
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.1)
+    prompts = ["abcabcabcab", "zq", "bcabcabcabca", "cabcabcabcab"]
+    solo = []
+    for p in prompts:
+        eng = Engine(ScriptedBackend(logits_fn=never_repeats_after_z, n_ctx=256, n_seq=4, batches_neighbours_only=True))
+        solo.append(eng.complete(p, sampling=GREEDY, max_tokens=40, lookup=False).tokens)
+    be = ScriptedBackend(logits_fn=never_repeats_after_z, n_ctx=256, n_seq=4, batches_neighbours_only=True)
+    eng = Engine(be)
+    gens = [eng.start(p, sampling=GREEDY, max_tokens=40, lookup=cfg) for p in prompts]
+    assert [g.seq for g in gens] == [0, 1, 2, 3]
+    while not all(g.done for g in gens):
+        eng.step([g for g in gens if not g.done])
+    assert [g.output for g in gens] == solo
+    filled = [call for call in be.calls if len(call) == 4 and len({len(e.tokens) for e in call}) == 1
+              and len(call[1].tokens) > 1]
+    assert filled, "no step carried filler in slot 1 beside its neighbours' drafts"
+    assert all(len(neighbour_passes([len(e.tokens) for e in call])) == 1 for call in filled)
+    assert gens[1].timings.drafted == 0 and all(g.timings.drafted > 0 for g in gens[::2])

@@ -39,7 +39,7 @@ from .drift import margin_change
 from .lookup import Acceptance, LookupConfig, LookupProposer
 from .draft_model import DraftModel
 from .proposer import ALONE, FirstOf, Offering, StepShare
-from .shared_step import choose
+from .shared_step import choose, filler
 from .step_cost import StepCost
 
 # produce(generation, row, now, lead) -> the event of the token chosen from `row`, or None
@@ -96,14 +96,16 @@ class Speculator:
         k = min(room, g.tokens_left - 1, n_ctx - len(g.history) - 1)
         return g.proposer.draft(g.history, k, share) if k > 0 else []
 
-    def draft_together(self, gens, room: int, n_ctx: int, share: StepShare) -> tuple[dict[int, list[int]], list] | None:
+    def draft_together(self, gens, room: int, n_ctx: int, share: StepShare) -> tuple[dict[int, list[int]], set[int], list] | None:
         """The drafts of a step several decoding generations share, chosen together
-        (shared_step.py): {slot id: draft} for each of `gens`, and the (generation,
-        exception) of any whose proposer raised. None when one of them drafts through a
-        proposer that does not offer (a draft model): each is then asked in turn (`draft`)."""
+        (shared_step.py): {slot id: draft} for each of `gens`, the slot ids whose draft is
+        filler (rows that keep the step one pass, not a proposal: see shared_step), and
+        the (generation, exception) of any whose proposer raised. None when one of them
+        drafts through a proposer that does not offer (a draft model): each is then asked
+        in turn (`draft`)."""
         if any(g.proposer is not None and not isinstance(g.proposer, Offering) for g in gens):
             return None
-        drafts, failed, offers, offered = {g.seq: [] for g in gens}, [], {}, {}
+        drafts, failed, offers, offered, fillable = {g.seq: [] for g in gens}, [], {}, {}, {}
         for g in gens:
             if not g.may_draft():
                 continue
@@ -117,9 +119,17 @@ class Speculator:
                 continue
             if offer is not None:
                 offers[g.seq], offered[g.seq] = offer, g
-        for seq, k in choose(offers, share, room).items():
-            drafts[seq] = offered[seq].proposer.take(k)
-        return drafts, failed
+            elif not self.recomputes(g):  # filler rows recomputed one by one would cost what they save
+                fillable[g.seq], offered[g.seq] = k, g
+        filled = set()
+        for seq, k in choose(offers, share, room, fillable).items():
+            g = offered[seq]
+            if seq in offers:
+                drafts[seq] = g.proposer.take(k)
+            elif k:
+                drafts[seq] = filler(g.history, k)
+                filled.add(seq)
+        return drafts, filled, failed
 
     # -- observe ------------------------------------------------------------------------
 
@@ -135,13 +145,14 @@ class Speculator:
         while the model's drift is still being measured)."""
         return g.exact_greedy and g.sampler.params.greedy and self.drift.calibrating
 
-    def verify(self, g, draft: list[int], rows, now: float, produce: Produce) -> list:
+    def verify(self, g, draft: list[int], rows, now: float, produce: Produce, filled: bool = False) -> list:
         """The events of a speculative step's rows (the pending token's, then one per draft
         token): each row is sampled as a plain step would sample it, and a draft is kept
         while it is the token sampled; the KV of what was not kept is trimmed. Under
         `exact_greedy`, a row is trusted only where its greedy choice leads by more than
         the model's measured drift; the first row that does not is left to a one-row
-        step. [] when no token came out (the very first row was left)."""
+        step. [] when no token came out (the very first row was left). `filled`: the
+        draft is filler (shared_step.py), verified alike but no proposer's draft."""
         base = g.n_cached  # where the pending token sits
         exact = g.exact_greedy and g.sampler.params.greedy
         lead = None  # the lead a greedy token needs in a wide step's row
@@ -175,7 +186,10 @@ class Speculator:
         if events:
             # a row left to a one-row step costs what a rejection there would (the rows
             # after it are thrown away), so the proposer counts it as one
-            g.stepped(len(draft), kept, min(kept + 1, len(draft)) if unsure else len(draft))
+            if filled:  # not a draft: no verdict for the proposer, none in the timings
+                g.stepped(0, 0, 0)
+            else:
+                g.stepped(len(draft), kept, min(kept + 1, len(draft)) if unsure else len(draft))
         return events
 
     @staticmethod
