@@ -350,8 +350,7 @@ class Engine:
         except DecodeInterrupted:  # someone (a hung-up client) stopped it: nothing advanced
             return {}
         now = time.perf_counter()
-        if len(feeds) == 1 and feeds[0].gen.decoding and feeds[0].entry.n_logits:
-            self.speculator.observe(len(feeds[0].entry.tokens), (now - t0) * 1000, feeds[0].gen.proposer is not None)
+        self.speculator.observe([f.entry for f in feeds], [f.gen for f in feeds], (now - t0) * 1000)
         if len(feeds) > 1 and any(f.draft and self.speculator.recomputes(f.gen) for f in feeds):
             # verifying decodes again, into the buffer the others' rows may live in
             rows = [np.array(r) for r in rows]

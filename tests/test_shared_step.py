@@ -7,13 +7,16 @@ engine's shared steps carry those drafts and still give lookup-off's output."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
-from localrun.backends.base import neighbour_passes
+from localrun.backends.base import BatchEntry, neighbour_passes
 from localrun.engine import Engine
 from localrun.speculation.lookup import LookupConfig, LookupProposer
 from localrun.speculation.proposer import MAX_SLOWDOWN, Offer, StepShare
 from localrun.speculation.shared_step import choose, filler
+from localrun.speculation.speculator import Speculator
 
 from fakes import N_VOCAB, ScriptedBackend
 from test_speculative import GREEDY, markov_logits
@@ -162,3 +165,22 @@ def test_a_stream_that_cannot_copy_carries_filler_between_copiers_and_keeps_look
     assert filled, "no step carried filler in slot 1 beside its neighbours' drafts"
     assert all(len(neighbour_passes([len(e.tokens) for e in call])) == 1 for call in filled)
     assert gens[1].timings.drafted == 0 and all(g.timings.drafted > 0 for g in gens[::2])
+
+
+def test_a_shared_step_prices_the_next_drafts_only_when_it_is_one_pass_of_decoding_rows():
+    """Two streams drafting one length are one pass of 6 rows, timed as that width; a step
+    split into passes, one with a prompt chunk (rows without logits), or one shared by
+    streams that never draft is not timed."""
+    speculator = Speculator(ScriptedBackend(n_seq=4, batches_neighbours_only=True))
+    seen = []
+    speculator.step_cost.observe = lambda rows, ms, drafting=True: seen.append((rows, ms, drafting))
+    copying, plain = SimpleNamespace(decoding=True, proposer=object()), SimpleNamespace(decoding=True, proposer=None)
+    reading = SimpleNamespace(decoding=False, proposer=None)
+    speculator.observe([BatchEntry(0, [1, 2, 3], 9, 3), BatchEntry(1, [4, 5, 6], 9, 3)], [copying, plain], 30.0)
+    assert seen == [(6, 30.0, True)]
+    speculator.observe([BatchEntry(0, [1, 2, 3], 9, 3), BatchEntry(1, [4], 9, 1)], [copying, plain], 30.0)  # 2 passes
+    speculator.observe([BatchEntry(0, [1], 9, 1), BatchEntry(1, [4, 5, 6], 0, 0)], [plain, reading], 30.0)
+    speculator.observe([BatchEntry(0, [1], 9, 1), BatchEntry(1, [4], 9, 1)], [plain, plain], 30.0)  # nobody drafts
+    assert seen == [(6, 30.0, True)]
+    speculator.observe([BatchEntry(2, [7], 9, 1)], [plain], 12.0)  # one sequence's one row, as ever
+    assert seen[-1] == (1, 12.0, False)

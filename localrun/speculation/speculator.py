@@ -11,7 +11,7 @@ chat template's turn marks. The engine asks it to
 - `draft` for a decoding generation within the room its step has left;
 - `verify` the rows a speculative step returned, token by token, with the engine's own
   token choice (grammar, sampler, stop strings) as `produce`;
-- `observe` what a step of r rows took, which prices the next drafts.
+- `observe` what a step took (a pass of r rows), which prices the next drafts.
 
 **Verification** scores the pending token plus the k drafts in one backend step, then
 samples each row exactly as without speculation (same chain, same RNG draw) and keeps a
@@ -133,10 +133,33 @@ class Speculator:
 
     # -- observe ------------------------------------------------------------------------
 
-    def observe(self, rows: int, ms: float, drafting: bool) -> None:
-        """A single sequence's decoding step of `rows` rows took `ms` (`drafting`: that
-        sequence may draft); a step shared by several sequences says nothing clean about one."""
-        self.step_cost.observe(rows, ms, drafting)
+    def observe(self, entries: Sequence[BatchEntry], gens, ms: float) -> None:
+        """A step of `entries` (those of `gens`) took `ms`, which prices the next drafts.
+        A step that is one pass of decoding rows (every row wants its logits: no prompt
+        chunk, whose rows cost less) is a pass of that many rows, one sequence's or several
+        that the backend runs as one pass (a server's streams drafting one length): its
+        time is that width's. A step split into passes says nothing clean about a width.
+        Timing only one sequence's steps (the rule before) left the widths that only
+        shared steps use at their optimistic prior for good (0.25 of a step a row: 20 rows
+        at 5.75), where on SmolLM2 a pass of 16 rows costs 9.0 one-row steps as one
+        sequence's and 9.5 as 4 sequences' (medians of 25): 4 server streams drafted 4-5
+        tokens each where they kept 59%, and 8 clients decoded at 0.84x lookup off. (4
+        sequences' one row each cost 3.18 against 2.61 for one sequence's 4: a server
+        prices its plain steps, and the drafts beside them, by what its shared passes
+        cost.) Steps shared only by streams that never draft are not timed: nobody prices
+        from them, and a wide step's update costs ~0.1 ms."""
+        if not all(g.decoding and e.n_logits == len(e.tokens) for e, g in zip(entries, gens)):
+            return
+        drafting = any(g.proposer is not None for g in gens)
+        if len(entries) > 1 and not drafting:
+            return
+        if len(entries) > 1:
+            counts = [0] * self.backend.n_seq
+            for e in entries:
+                counts[e.seq] += len(e.tokens)
+            if len(self.backend.passes(counts)) != 1:
+                return
+        self.step_cost.observe(sum(len(e.tokens) for e in entries), ms, drafting)
 
     # -- verify -------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ changes slowly (longer contexts cost wide steps more), and neighbouring widths s
 is learned about them (their prior covariance falls with their distance in log rows), so
 one noisy measurement of 20 rows is weighed against 17 and 24 rather than kept alone.
 A draft is priced by the shape only: the speed of the moment cancels out of "is a 20-row
-step worth 20 tokens' chance". The engine times only steps with a single sequence in
-them (a server step shared by several streams says nothing clean about one of them).
+step worth 20 tokens' chance". The engine times only steps that are one pass of decoding
+rows (a single sequence's, or a server's streams' that the backend runs as one pass; a
+step split into passes says nothing clean about one width: Speculator.observe).
 
 Why not a ratio to recent one-row steps (localrun's earlier rule): a wide width measured
 once keeps the moment it was measured in. Traced on SmolLM2's edit task, the prices
@@ -56,7 +57,7 @@ import numpy as np
 
 class StepCost:
     """One model's step cost by rows: the filter of the module's docstring, fed every
-    single-sequence step the engine times, read by LookupProposer as prices."""
+    one-pass step the engine times, read by LookupProposer as prices."""
 
     MAX_ROWS = 64  # widths the filter knows; wider steps are priced by extension (none drafts that wide today)
     JITTER = 0.08  # a step's own scatter, sd in log ms (measured 0.075-0.096, see above)
@@ -101,8 +102,8 @@ class StepCost:
         self._queued: list[tuple[float, bool]] = []  # one-row steps observed, not yet taken
 
     def observe(self, rows: int, ms: float, drafting: bool = True) -> None:
-        """A single sequence's step of `rows` rows took `ms`; `drafting`: that sequence may
-        draft (a lookup-off generation's steps only follow the speed). A one-row step is
+        """A pass of `rows` rows took `ms`; `drafting`: a sequence in it may draft (a
+        lookup-off generation's steps only follow the speed). A one-row step is
         queued and taken when the filter is next read or a wide step comes: the engine
         calls this right after a decode, when the caches hold the model's weights and
         every line of Python costs several times what it costs in a loop over the queue."""
