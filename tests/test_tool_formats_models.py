@@ -94,7 +94,11 @@ def test_smollm2_writes_each_family_call(smol_gguf, family):
 
 @pytest.mark.parametrize("family", ["qwen3-coder", "glm", "kimi"])
 def test_qwen_coder_writes_each_family_call(qwen, family):
-    run_family(qwen, family, seed=2, max_tokens=96)
+    # Kimi's markers are no tokens of Qwen's: its shortest call is 65 tokens, and a sampled
+    # one (temperature 1) may spell them in more. 96 ran out one token before the end in a
+    # clean-clone CI run (6adf899; it passed here 3 of 3): the rows, and so the draws, move
+    # with what the host's load does to the thread count and to lookup's priced drafts.
+    run_family(qwen, family, seed=2, max_tokens=160)
 
 
 def test_mlx_writes_an_xml_family_call(smol_mlx):
