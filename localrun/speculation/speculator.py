@@ -96,7 +96,8 @@ class Speculator:
         k = min(room, g.tokens_left - 1, n_ctx - len(g.history) - 1)
         return g.proposer.draft(g.history, k, share) if k > 0 else []
 
-    def draft_together(self, gens, room: int, n_ctx: int, share: StepShare) -> tuple[dict[int, list[int]], set[int], list] | None:
+    def draft_together(self, gens, room: int, n_ctx: int,
+                       share: StepShare) -> tuple[dict[int, list[int]], set[int], list] | None:
         """The drafts of a step several decoding generations share, chosen together
         (shared_step.py): {slot id: draft} for each of `gens`, the slot ids whose draft is
         filler (rows that keep the step one pass, not a proposal: see shared_step), and
