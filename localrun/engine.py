@@ -413,9 +413,8 @@ class Engine:
                 try:
                     share = StepShare(max(rows, 1), max(decoding, 1), tuple(counts or ()), g.seq,
                                       self.backend.passes, plain_rows, plain_counts)
-                    # A draft takes only the budget the later decoders leave: one that took it
-                    # all left them out of the step (4 server streams under a 16-token budget
-                    # made steps of two streams' drafts while the other two waited a whole step).
+                    # A draft takes only the budget the later decoders leave: one that took it all
+                    # left them out (4 streams, 16-token budget: two drafted, two waited a step).
                     room = budget - 1 - later
                     draft = self.speculator.draft(g, room, self.n_ctx, share) if g.decoding and g.max_tokens else []
                 except Exception as exc:  # its proposer's draft: it ends alone, not in the step

@@ -80,22 +80,30 @@ def test_drafts_that_do_not_pay_and_drafts_past_the_room_are_not_taken():
     assert choose({}, share, room=6) == {}
 
 
+def together_and_alone(prompts: list[str], logits_fn, cost_per_draft: float):
+    """Greedy generations of `prompts` with lookup, in slots 0.. of one engine on a backend
+    that batches neighbours only, stepped together to the end, each answer checked against
+    the one its prompt gives alone with lookup off: (the generations, that backend)."""
+    def backend() -> ScriptedBackend:
+        return ScriptedBackend(logits_fn=logits_fn, n_ctx=256, n_seq=len(prompts), batches_neighbours_only=True)
+
+    solo = [Engine(backend()).complete(p, sampling=GREEDY, max_tokens=40, lookup=False).tokens for p in prompts]
+    be = backend()
+    eng = Engine(be)
+    cfg = LookupConfig(measure_cost=False, cost_per_draft=cost_per_draft)
+    gens = [eng.start(p, sampling=GREEDY, max_tokens=40, lookup=cfg) for p in prompts]
+    assert [g.seq for g in gens] == list(range(len(prompts)))
+    while not all(g.done for g in gens):
+        eng.step([g for g in gens if not g.done])
+    assert [g.output for g in gens] == solo
+    return gens, be
+
+
 def test_two_copying_streams_draft_in_the_same_step_and_keep_lookup_offs_output():
     """The engine: two greedy generations that copy, on a backend that batches
     neighbours only, both carry drafts in one step, and each answer is the one it gives
     with lookup off."""
-    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.25)
-    prompts = ["abcabcabcab", "bcabcabcabca"]
-    solo = []
-    for p in prompts:
-        eng = Engine(ScriptedBackend(logits_fn=markov_logits, n_ctx=256, n_seq=2, batches_neighbours_only=True))
-        solo.append(eng.complete(p, sampling=GREEDY, max_tokens=40, lookup=False).tokens)
-    be = ScriptedBackend(logits_fn=markov_logits, n_ctx=256, n_seq=2, batches_neighbours_only=True)
-    eng = Engine(be)
-    gens = [eng.start(p, sampling=GREEDY, max_tokens=40, lookup=cfg) for p in prompts]
-    while not all(g.done for g in gens):
-        eng.step([g for g in gens if not g.done])
-    assert [g.output for g in gens] == solo
+    gens, be = together_and_alone(["abcabcabcab", "bcabcabcabca"], markov_logits, 0.25)
     both = [call for call in be.calls if len(call) == 2 and all(len(e.tokens) > 1 and e.n_logits > 1 for e in call)]
     assert both, "no step carried both streams' drafts"
     assert any(len(call[0].tokens) == len(call[1].tokens) for call in both)  # one pass: the same length
@@ -147,19 +155,7 @@ def test_a_stream_that_cannot_copy_carries_filler_between_copiers_and_keeps_look
     backend that batches neighbours only. Steps carry the copiers' drafts in one pass
     with filler in slot 1; every answer is the one it gives with lookup off, and the
     filler counts as no draft of slot 1's."""
-    cfg = LookupConfig(measure_cost=False, cost_per_draft=0.1)
-    prompts = ["abcabcabcab", "zq", "bcabcabcabca", "cabcabcabcab"]
-    solo = []
-    for p in prompts:
-        eng = Engine(ScriptedBackend(logits_fn=never_repeats_after_z, n_ctx=256, n_seq=4, batches_neighbours_only=True))
-        solo.append(eng.complete(p, sampling=GREEDY, max_tokens=40, lookup=False).tokens)
-    be = ScriptedBackend(logits_fn=never_repeats_after_z, n_ctx=256, n_seq=4, batches_neighbours_only=True)
-    eng = Engine(be)
-    gens = [eng.start(p, sampling=GREEDY, max_tokens=40, lookup=cfg) for p in prompts]
-    assert [g.seq for g in gens] == [0, 1, 2, 3]
-    while not all(g.done for g in gens):
-        eng.step([g for g in gens if not g.done])
-    assert [g.output for g in gens] == solo
+    gens, be = together_and_alone(["abcabcabcab", "zq", "bcabcabcabca", "cabcabcabcab"], never_repeats_after_z, 0.1)
     filled = [call for call in be.calls if len(call) == 4 and len({len(e.tokens) for e in call}) == 1
               and len(call[1].tokens) > 1]
     assert filled, "no step carried filler in slot 1 beside its neighbours' drafts"
