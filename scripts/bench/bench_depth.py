@@ -9,10 +9,11 @@ For each model and thread count, each round runs, each in a fresh process (a col
 one warm-up, one measured run on both sides): llama-bench decoding N_GEN tokens after DEPTH
 tokens of KV with flash attention off, the same with it on, and localrun (Engine.open, then
 complete() with the default sampler chain, prompt lookup off, EOS ignored) after a
-DEPTH-token prompt of English text. Rounds interleave the three so that load coming and
-going on a shared machine hits them alike. localrun asks for N_GEN + 1 tokens: the first
-comes from the prefill, so its decode_tps covers N_GEN one-token decodes, as llama-bench's
-tg does. Its number includes sampling and its own per-token work, llama-bench's does not.
+DEPTH-token prompt of English text. Rounds interleave the three, each round starting with
+the next one, so that load coming and going on a shared machine hits them alike. localrun
+asks for N_GEN + 1 tokens: the first comes from the prefill, so its decode_tps covers N_GEN
+one-token decodes, as llama-bench's tg does. Its number includes sampling and its own
+per-token work, llama-bench's does not.
 The goal (issue 52): localrun at least 0.97 of the faster native setting.
 
 localrun times flash attention on/off at a model's first load and remembers the winner
@@ -166,7 +167,9 @@ def bench_model(model: Path, a: argparse.Namespace) -> list[dict]:
         runs: dict[str, list[float]] = {e: [] for e in ENGINES}
         errors, chosen = [], []
         for rnd in range(a.repeat):
-            for eng in ENGINES:
+            # Each round starts with another engine, so that none always runs right after
+            # the same neighbour or at the same point of a drift that spans a round.
+            for eng in ENGINES[rnd % len(ENGINES):] + ENGINES[:rnd % len(ENGINES)]:
                 print(f"  {model.name} t={t}: round {rnd + 1}/{a.repeat} {eng} ...", file=sys.stderr, flush=True)
                 if eng in NATIVE:
                     res = run_native(a.llama_bench, model, t, a.depth, a.n_gen, NATIVE[eng])
