@@ -171,21 +171,25 @@ def test_the_environment_still_decides(smollm2_gguf, monkeypatch):
         backend.close()
 
 
-def test_a_remembered_tie_is_timed_again_after_a_week_and_a_clear_winner_is_kept(tmp_path, monkeypatch):
-    """A dozen decodes per setting on a machine whose speed moves can call a tie where
-    one setting is faster: a tie is taken again once RETIME_TIE_S old (an entry from
-    before the date was kept counts as old); a clear winner is kept for good."""
+@pytest.fixture
+def gguf(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    quiet(monkeypatch)
-    asked = []
+    return model
 
-    def tied_then_on(counts):
+
+def test_a_remembered_tie_is_timed_again_after_a_week_and_a_clear_winner_is_kept(gguf, monkeypatch):
+    """A dozen decodes per setting on a machine whose speed moves can call a tie where
+    one setting is faster: a tie is taken again once RETIME_TIE_S old; a clear winner
+    is kept for good."""
+    model, clock, asked = gguf, [1_000_000.0], []
+    monkeypatch.setattr(attention_timing.time, "time", lambda: clock[0])
+    quiet(monkeypatch)
+
+    def tied_then_on(counts):  # the first timing a tie, the next one "on" clearly faster
         asked.append(counts)
         return [timing(t, 10.0, 9.9 if len(asked) == 1 else 8.0) for t in counts]
 
-    clock = [1_000_000.0]
-    monkeypatch.setattr(attention_timing.time, "time", lambda: clock[0])
     first = choose(str(model), "f16", 2, 2, tied_then_on)
     assert first.tie() and first.measured_at == clock[0] and recall(str(model), "f16", 2).measured_at == clock[0]
     clock[0] += attention_timing.RETIME_TIE_S - 60
@@ -197,12 +201,11 @@ def test_a_remembered_tie_is_timed_again_after_a_week_and_a_clear_winner_is_kept
     assert choose(str(model), "f16", 2, 2, lambda counts: pytest.fail("a clear winner timed again")) == again
 
 
-def test_a_tie_due_again_on_a_busy_machine_still_decides(tmp_path, monkeypatch):
+def test_a_tie_due_again_on_a_busy_machine_still_decides(gguf, monkeypatch):
     """An entry from before timings were dated (no measured_at) is due again; while
     other processes keep a core busy it is not retimed, and the remembered tie decides
     rather than the old rule's blanket off."""
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
+    model = gguf
     key = attention_timing.timing_key(str(model), "f16", 2)
     path = attention_timing.datafiles.cache_path(attention_timing.FILE_NAME)
     path.parent.mkdir(parents=True)
