@@ -191,7 +191,8 @@ def choose(model_path: str, kv_cache_type: str, threads: int, cores: int, time_b
     timings = [replace(t, measured_at=stamp) for t in time_both(counts)]
     busy = others.busy_cores()
     mine = next(t for t in timings if t.threads == threads)
-    log.info("%s (timed in %.1f s, once per model and machine)", mine.explain(), time.monotonic() - start)
+    log.info("%s (timed in %.1f s; kept for this model and machine, a tie for a week)", mine.explain(),
+             time.monotonic() - start)
     if busy is None or busy < BUSY_CORE_SHARE:
         remember(model_path, kv_cache_type, timings)
     else:  # trusted for this load only
