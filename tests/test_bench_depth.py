@@ -8,7 +8,7 @@ import pytest
 
 from localrun.hardware import inference_threads
 from scripts.bench.bench import SMOLLM2
-from scripts.bench.bench_depth import GOAL, QWEN, fa_label, format_table, parse_args, parse_native, summarize
+from scripts.bench.bench_depth import GOAL, QWEN, best, fa_label, format_table, parse_args, parse_native, summarize
 
 # `llama-bench -p 0 -n 8 -d 64 -t 2 -fa 0 -r 1 -o json` on SmolLM2 (fields trimmed)
 NATIVE_JSON = """[
@@ -32,18 +32,26 @@ NATIVE_JSON = """[
 
 def test_defaults_are_the_issues_setting_and_quick_is_one_small_round():
     a = parse_args([])
-    assert (a.depth, a.n_gen, a.repeat) == (832, 128, 3)
+    assert (a.depth, a.n_gen, a.repeat, a.best_of) == (832, 128, 3, 3)
     assert a.models[0] == SMOLLM2 and a.models[-1] == QWEN and len(a.models) == 3
     assert a.threads == sorted({1, inference_threads()})
     a = parse_args(["--quick"])
     assert (a.models, a.repeat, a.n_gen, a.depth, a.threads) == ([SMOLLM2], 1, 32, 256, [inference_threads()])
+    assert a.best_of == 1
     assert parse_args(["--quick", "--threads", "1"]).threads == [1]
+    for bad in (["--best-of", "0"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
-def test_native_speed_is_the_tg_tests_average():
-    assert parse_native(NATIVE_JSON) == pytest.approx(7.902214)
-    # with a pp test in the list too, the tg one is still the one read
-    assert parse_native('[{"n_gen": 0, "avg_ts": 500.0}, {"n_gen": 128, "avg_ts": 90.5}]') == 90.5
+def test_native_speeds_are_the_tg_tests_samples_and_a_process_counts_its_fastest():
+    assert parse_native(NATIVE_JSON) == [pytest.approx(7.90221)]
+    # with a pp test in the list too, the tg one is still the one read; each repetition is a sample
+    two = '[{"n_gen": 0, "avg_ts": 500.0, "samples_ts": [500.0]}, {"n_gen": 128, "avg_ts": 90.5, "samples_ts": [88.0, 93.0]}]'
+    assert parse_native(two) == [88.0, 93.0]
+    assert parse_native('[{"n_gen": 128, "avg_ts": 90.5}]') == [90.5]  # an older build without samples
+    # load only slows a run: the fastest of a process's runs is the one it touched least
+    assert best([88.0, 93.0, 71.5]) == {"decode_tps": 93.0, "samples": [88.0, 93.0, 71.5]}
 
 
 def test_ratio_is_localrun_over_the_faster_native_setting():
