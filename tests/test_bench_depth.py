@@ -39,7 +39,7 @@ def test_defaults_are_the_issues_setting_and_quick_is_one_small_round():
     assert (a.models, a.repeat, a.n_gen, a.depth, a.threads) == ([SMOLLM2], 1, 32, 256, [inference_threads()])
     assert a.best_of == 1
     assert parse_args(["--quick", "--threads", "1"]).threads == [1]
-    for bad in (["--best-of", "0"], ["--repeat", "0"]):
+    for bad in (["--best-of", "0"], ["--repeat", "0"], ["--quick", "--best-of", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

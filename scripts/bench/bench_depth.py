@@ -66,11 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = inference_threads()
     if a.quick:
         a.models, a.repeat, a.n_gen, a.depth = a.models or [SMOLLM2], 1, 32, 256
-        a.best_of = a.best_of or 1
         a.threads = a.threads or [cores]
     a.models = a.models or [SMOLLM2, GEMMA3, QWEN]
     a.threads = a.threads or sorted({1, cores})
-    a.best_of = 3 if a.best_of is None else a.best_of
+    if a.best_of is None:
+        a.best_of = 1 if a.quick else 3
     if a.best_of < 1 or a.repeat < 1:
         ap.error("--best-of and --repeat must be at least 1")
     return a
